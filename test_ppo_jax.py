@@ -1,0 +1,329 @@
+"""Tests for ppo_jax.py. Each checks behaviour against an independent reference: a plain-Python
+loop, scipy, a hand-derived value, or an equivalence (vmapped == single run).
+
+    pytest -q                          # everything, as CI runs it (a few minutes on 2 cores)
+    pytest -q -k "not learns"          # skip the slow learning tests (test_learns_*)
+"""
+
+import dataclasses
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import serialization
+
+import ppo_jax as P
+
+
+def tiny_config(**overrides) -> P.Config:
+    """A few updates of a small CartPole run: compiles and runs in seconds."""
+    base = dict(env="CartPole-v1", total_timesteps=4 * 4 * 32, num_envs=4, num_steps=32, num_minibatches=4,
+                update_epochs=2, hidden_sizes=(16, 16), table_rows=0)
+    base.update(overrides)
+    return P.Config(**base)
+
+
+# ------------------------------------------------------------------------------------------------
+# Math against independent references
+# ------------------------------------------------------------------------------------------------
+
+
+def gae_reference(rewards, values, next_values, terminated, dones, gamma, lam):
+    """Plain-Python GAE, one env and one step at a time."""
+    T, N = rewards.shape
+    advantages = np.zeros((T, N))
+    for n in range(N):
+        running = 0.0
+        for t in reversed(range(T)):
+            bootstrap = 0.0 if terminated[t, n] else gamma * next_values[t, n]
+            delta = rewards[t, n] + bootstrap - values[t, n]
+            running = delta + (0.0 if dones[t, n] else gamma * lam * running)
+            advantages[t, n] = running
+    return advantages, advantages + values
+
+
+def test_compute_gae_matches_python_loop_with_terminations_and_truncations():
+    rng = np.random.default_rng(0)
+    T, N = 41, 6
+    rewards = rng.normal(size=(T, N)).astype(np.float32)
+    values = rng.normal(size=(T, N)).astype(np.float32)
+    next_values = rng.normal(size=(T, N)).astype(np.float32)
+    terminated = rng.random((T, N)) < 0.1
+    truncated = (rng.random((T, N)) < 0.1) & ~terminated
+    dones = terminated | truncated
+    assert terminated.any() and truncated.any()
+    advantages, targets = P.compute_gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(next_values),
+                                        jnp.asarray(terminated), jnp.asarray(dones), 0.97, 0.9)
+    chex.assert_shape((advantages, targets), (T, N))
+    chex.assert_type((advantages, targets), jnp.float32)
+    ref_adv, ref_targets = gae_reference(rewards, values, next_values, terminated, dones, 0.97, 0.9)
+    np.testing.assert_allclose(advantages, ref_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(targets, ref_targets, rtol=1e-5, atol=1e-5)
+
+
+def test_truncation_bootstraps_and_termination_does_not():
+    # One env, one step that ends an episode: a hand-derived value for each case.
+    r, v, v_next, gamma = 1.0, 0.5, 10.0, 0.9
+    args = lambda term: (jnp.array([[r]]), jnp.array([[v]]), jnp.array([[v_next]]),  # noqa: E731
+                         jnp.array([[term]]), jnp.array([[True]]), gamma, 0.95)
+    truncated_adv, _ = P.compute_gae(*args(False))
+    terminated_adv, _ = P.compute_gae(*args(True))
+    assert float(truncated_adv[0, 0]) == pytest.approx(r + gamma * v_next - v)
+    assert float(terminated_adv[0, 0]) == pytest.approx(r - v)
+
+
+def test_clipped_surrogate_gradient_wrt_ratio():
+    eps = 0.2
+    grad = jax.vmap(jax.grad(P.clipped_surrogate), in_axes=(0, 0, None))
+    ratios = jnp.array([0.5, 0.79, 0.9, 1.0, 1.1, 1.21, 1.5])
+    inside = (ratios > 1 - eps) & (ratios < 1 + eps)
+    for advantage in (2.0, -3.0):
+        g = np.asarray(grad(ratios, jnp.full_like(ratios, advantage), eps))
+        np.testing.assert_allclose(g[np.asarray(inside)], advantage)  # inside: d/dr (r * A) = A
+        # Outside the clip range the objective is flat on the side the advantage's sign favours ...
+        flat_side = ratios >= 1 + eps if advantage > 0 else ratios <= 1 - eps
+        np.testing.assert_array_equal(g[np.asarray(flat_side)], 0.0)
+        # ... and still has slope A on the other (the pessimistic min keeps the unclipped term).
+        other_side = ratios <= 1 - eps if advantage > 0 else ratios >= 1 + eps
+        np.testing.assert_allclose(g[np.asarray(other_side)], advantage)
+
+
+def test_categorical_log_prob_and_entropy_match_scipy():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(5, 4)).astype(np.float32) * 2
+    actions = rng.integers(0, 4, size=5)
+    dist = P.Categorical(jnp.asarray(logits))
+    probs = scipy.special.softmax(logits.astype(np.float64), axis=-1)
+    for i in range(5):
+        expected = scipy.stats.multinomial(1, probs[i]).logpmf(np.eye(4)[actions[i]])
+        assert float(dist.log_prob(jnp.asarray(actions))[i]) == pytest.approx(expected, abs=1e-5)
+        assert float(dist.entropy()[i]) == pytest.approx(scipy.stats.entropy(probs[i]), abs=1e-5)
+
+
+def test_diag_gaussian_log_prob_and_entropy_match_scipy():
+    rng = np.random.default_rng(2)
+    mean = rng.normal(size=(6, 3)).astype(np.float32)
+    log_std = rng.normal(size=3).astype(np.float32) * 0.5
+    actions = rng.normal(size=(6, 3)).astype(np.float32) * 2
+    dist = P.DiagGaussian(jnp.asarray(mean), jnp.asarray(log_std))
+    expected = scipy.stats.norm(mean, np.exp(log_std)).logpdf(actions).sum(-1)
+    np.testing.assert_allclose(dist.log_prob(jnp.asarray(actions)), expected, rtol=1e-5, atol=1e-5)
+    expected_entropy = scipy.stats.norm(0, np.exp(log_std)).entropy().sum()
+    np.testing.assert_allclose(dist.entropy(), np.full(6, expected_entropy), rtol=1e-5)
+
+
+def test_explained_variance_and_learning_rate_schedule():
+    targets = jnp.array([1.0, 2.0, 3.0, 4.0])
+    assert float(P.explained_variance(targets, targets)) == 1.0
+    assert float(P.explained_variance(jnp.full(4, 2.5), targets)) == pytest.approx(0.0)
+    hp = P.HParams(lr=1e-3, anneal_lr=True)
+    assert [float(P.learning_rate(hp, u, 4)) for u in range(4)] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    flat = P.HParams(lr=1e-3, anneal_lr=False)
+    assert float(P.learning_rate(flat, 3, 4)) == pytest.approx(1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# Environment wrapper and rollout
+# ------------------------------------------------------------------------------------------------
+
+
+def test_vec_env_episode_accounting_and_final_observation():
+    """Random actions on CartPole with a 20-step limit (so episodes both terminate and truncate),
+    checked against a Python tally."""
+    env = P.VecEnv("CartPole-v1", 3)
+    env.env_params = env.env_params.replace(max_steps_in_episode=20)
+    obs, state = env.reset(jax.random.PRNGKey(0))
+    step = jax.jit(env.step)
+    key = jax.random.PRNGKey(1)
+    running_return, running_length = np.zeros(3), np.zeros(3, int)
+    seen = {"terminated": 0, "truncated": 0}
+    for t in range(300):
+        key, action_key, step_key = jax.random.split(key, 3)
+        action = jax.random.randint(action_key, (3,), 0, 2)
+        next_obs, state, reward, terminated, truncated, info = step(step_key, state, action)
+        running_return += np.asarray(reward)
+        running_length += 1
+        for n in range(3):
+            if terminated[n] or truncated[n]:
+                seen["terminated" if terminated[n] else "truncated"] += 1
+                assert float(info["episode_return"][n]) == pytest.approx(running_return[n])
+                assert int(info["episode_length"][n]) == running_length[n]
+                assert running_length[n] == 20 if truncated[n] and not terminated[n] else running_length[n] <= 20
+                # the automatic reset happened: the next observation is a fresh start (|x| <= 0.05)
+                assert np.all(np.abs(next_obs[n]) <= 0.05)
+                assert not np.array_equal(info["final_observation"][n], next_obs[n])
+                running_return[n], running_length[n] = 0.0, 0
+            else:  # no reset: the final observation is the next observation
+                np.testing.assert_array_equal(info["final_observation"][n], next_obs[n])
+    assert seen["terminated"] > 5 and seen["truncated"] > 5, seen
+
+
+def test_rollout_shapes_and_continuous_actions_unclipped():
+    config = tiny_config(env="Pendulum-v1", num_steps=64)
+    env = P.VecEnv(config.env, config.num_envs)
+    network = P.make_network(config, env)
+    tx = P.make_optimizer(config.hparams, 1, 1)
+    state = P.init_train_state(jax.random.PRNGKey(0), env, network, tx)
+    _, traj = jax.jit(P.collect_rollout, static_argnums=(1, 2, 3))(state, env, network, config.num_steps)
+    T, N = config.num_steps, config.num_envs
+    chex.assert_shape((traj.log_prob, traj.value, traj.reward, traj.terminated, traj.done), (T, N))
+    chex.assert_shape((traj.obs, traj.final_obs), (T, N, 3))
+    chex.assert_shape(traj.action, (T, N, 1))
+    chex.assert_type((traj.obs, traj.action, traj.log_prob, traj.value, traj.reward), jnp.float32)
+    # std starts at exp(0) = 1 with bounds +-2: some samples fall outside, and are stored unclipped.
+    assert float(jnp.max(jnp.abs(traj.action))) > 2.0
+    assert not bool(traj.terminated.any())  # Pendulum only truncates
+
+
+def test_ratio_is_exactly_one_on_first_minibatch():
+    config = tiny_config()
+    env = P.VecEnv(config.env, config.num_envs)
+    network = P.make_network(config, env)
+    tx = P.make_optimizer(config.hparams, 1, 1)
+    state = P.init_train_state(jax.random.PRNGKey(3), env, network, tx)
+    state, traj = P.collect_rollout(state, env, network, config.num_steps)
+    zeros = jnp.zeros_like(traj.value)
+    batch = P.make_batch(traj, zeros, zeros)
+    first = jax.tree.map(lambda x: x[0], P.shuffle_into_minibatches(jax.random.PRNGKey(4), batch, 4))
+    chex.assert_shape(first.obs, (config.minibatch_size, 4))
+    dist, _ = network.apply(state.params, first.obs)  # the first gradient step's params
+    ratio = jnp.exp(dist.log_prob(first.action) - first.log_prob)
+    np.testing.assert_array_equal(ratio, 1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole program
+# ------------------------------------------------------------------------------------------------
+
+
+def test_same_key_gives_bit_identical_metrics():
+    config = tiny_config()
+    key = jax.random.PRNGKey(7)
+    _, first = jax.jit(P.make_train(config))(key, config.hparams)
+    _, second = jax.jit(P.make_train(config))(key, config.hparams)
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name], err_msg=name)
+    _, other = jax.jit(P.make_train(config))(jax.random.PRNGKey(8), config.hparams)
+    assert not np.array_equal(first["policy_loss"], other["policy_loss"])
+
+
+def test_vmapped_seeds_equal_single_runs():
+    config = tiny_config(num_seeds=3)
+    result = P.run(config)
+    train = jax.jit(P.make_train(config))
+    for i, key in enumerate(P.seed_keys(config)):
+        state, metrics = train(key, config.hparams)
+        for name, value in metrics.items():
+            np.testing.assert_allclose(result.metrics[name][i], value, rtol=1e-5, atol=1e-6, err_msg=name)
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], result.state.params), state.params,
+                                    rtol=1e-5, atol=1e-6)
+
+
+def test_metrics_shapes_and_nan_return_when_no_episode_ended():
+    # Pendulum episodes last 200 steps: with 50-step rollouts the first 3 updates end none.
+    config = tiny_config(env="Pendulum-v1", num_steps=50, total_timesteps=4 * 50 * 5, num_minibatches=2)
+    result = P.run(config)
+    returns = result.metrics["episode_return"]
+    chex.assert_shape(returns, (1, 5))
+    assert np.all(np.isnan(returns[0, :3])) and np.isfinite(returns[0, 3])
+    assert result.metrics["episodes"][0].tolist() == [0, 0, 0, 4, 0]
+    assert result.metrics["episode_length"][0, 3] == 200
+    assert result.metrics["env_steps"][0].tolist() == [200, 400, 600, 800, 1000]
+    for name in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "explained_variance"):
+        assert np.all(np.isfinite(result.metrics[name])), name
+
+
+def test_hparams_are_traced_not_compiled_in():
+    config = tiny_config()
+    train = jax.jit(P.make_train(config))
+    key = jax.random.PRNGKey(0)
+    _, base = train(key, config.hparams)
+    _, other = train(key, dataclasses.replace(config.hparams, lr=1e-2))
+    assert train._cache_size() == 1  # one compile for both points
+    assert not np.array_equal(base["policy_loss"][1:], other["policy_loss"][1:])
+    np.testing.assert_allclose(other["learning_rate"][0], 1e-2)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+
+def test_cli_tiny_run_writes_every_output(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    P.main(["--total-timesteps", "1024", "--num-steps", "32", "--num-seeds", "2", "--hidden-sizes", "8",
+            "--run-dir", str(run_dir), "--lr", "1e-3", "--no-anneal-lr"])
+    out = capsys.readouterr().out
+    assert "env steps/s" in out and "compile" in out
+    assert sorted(os.listdir(run_dir)) == ["config.json", "curve.png", "metrics.csv", "params.msgpack",
+                                           "summary.json"]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["hparams"]["lr"] == 1e-3 and config["hparams"]["anneal_lr"] is False
+    assert config["hidden_sizes"] == [8]
+    lines = (run_dir / "metrics.csv").read_text().splitlines()
+    assert lines[0].startswith("seed,update,env_steps,")
+    assert len(lines) == 1 + 2 * 8  # header + seeds x updates
+    params = serialization.msgpack_restore((run_dir / "params.msgpack").read_bytes())
+    assert params["params"]["actor_0"]["kernel"].shape == (2, 4, 8)  # [seeds, obs_dim, width]
+    # The run directory is never reused.
+    with pytest.raises(SystemExit) as exit_info:
+        P.main(["--total-timesteps", "1024", "--run-dir", str(run_dir)])
+    assert exit_info.value.code == 2
+    assert "--run-dir" in capsys.readouterr().err
+
+
+def test_cli_help_lists_flags_with_env_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        P.main(["--env", "Pendulum-v1", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--env", "--total-timesteps", "--num-envs", "--num-steps", "--num-minibatches", "--update-epochs",
+                 "--seed", "--num-seeds", "--lr", "--clip-eps", "--ent-coef", "--vf-coef", "--gamma",
+                 "--gae-lambda", "--max-grad-norm", "--anneal-lr", "--activation", "--hidden-sizes", "--run-dir"):
+        assert flag in out, flag
+    assert "1000000" in out  # Pendulum's total-timesteps default
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--env", "CartPole-v2"], ["--env", "CartPole-v1"]),
+    (["--num-minibatches", "3"], ["--num-minibatches", "divide"]),
+    (["--num-envs", "0"], ["--num-envs", "positive"]),
+    (["--lr", "0"], ["--lr", "> 0"]),
+    (["--gamma", "1.5"], ["--gamma", "[0, 1]"]),
+    (["--total-timesteps", "100"], ["--total-timesteps", "one batch"]),
+])
+def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        P.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    for word in words:
+        assert word in err
+
+
+# ------------------------------------------------------------------------------------------------
+# Learning (slow: about a minute each on 2 cores). Skip with -k "not learns".
+# ------------------------------------------------------------------------------------------------
+
+
+def test_learns_cartpole_classic_config():
+    config = dataclasses.replace(P.default_config("CartPole-v1"), num_seeds=2)
+    result = P.run(config)
+    finals = P.final_return(result.metrics)
+    print(f"CartPole-v1 final return per seed: {finals}")
+    assert np.all(finals >= 475), finals
+
+
+def test_learns_pendulum():
+    config = dataclasses.replace(P.default_config("Pendulum-v1"), num_seeds=2)
+    result = P.run(config)
+    finals = P.final_return(result.metrics)
+    print(f"Pendulum-v1 final return per seed: {finals}")
+    assert np.mean(finals) >= -300, finals
+    assert np.all(finals >= -400), finals
