@@ -1,18 +1,22 @@
 """ppo_jax: Proximal Policy Optimization as one XLA program.
 
-PPO-Clip (Schulman et al., 2017, arXiv:1707.06347) on any gymnax environment. Environment
-stepping, GAE and the multi-epoch minibatch update all run inside a single `jax.jit`, and
-`--num-seeds N` vmaps the whole run over N seeds in that same program.
+PPO (Schulman et al., 2017, arXiv:1707.06347) on any gymnax environment: the clipped surrogate,
+the adaptive KL penalty (PPO-Penalty) and a KL leash to a frozen reference policy, with every
+implementation detail a switch. Environment stepping, GAE and the multi-epoch minibatch update
+all run inside a single `jax.jit`, and `--num-seeds N` vmaps the whole run over N seeds in that
+same program.
 
     python ppo_jax.py                                        # CartPole-v1, the classic config
     python ppo_jax.py --env Pendulum-v1 --num-seeds 4
+    python ppo_jax.py --clip-eps 0 --kl-coef 1 --kl-target 0.01 --lr 2.5e-3   # PPO-Penalty
     python ppo_jax.py --env Acrobot-v1 --help                # every flag, with Acrobot's defaults
 
 Sections, top to bottom:
     1. Config, HParams    what fixes the compiled program / what can vary inside it
     2. Environment        gymnax, vmapped over envs: flat float32 obs, clipped actions, episode stats
-    3. Network            ActorCritic; Categorical and diagonal Gaussian in closed form
-    4. Math               compute_gae, clipped_surrogate, value_loss, explained_variance
+    3. Network            ActorCritic; Categorical and diagonal Gaussian in closed form (log-prob,
+                          entropy, KL); RunningStats for observation and reward normalisation
+    4. Math               compute_gae, clipped_surrogate, value_loss, adaptive_kl_coef, ...
     5. Training           make_train(config) -> train(key, hparams) -> (TrainState, metrics)
     6. Running            validation, compile + run, metrics to numpy
     7. Outputs            run directory: config.json, summary.json, metrics.csv, curve.png,
@@ -35,7 +39,9 @@ import sys
 import time
 from typing import Annotated, Any, Literal, Sequence
 
+import flax
 import flax.linen as nn
+import flax.traverse_util
 import gymnax
 import jax
 import jax.numpy as jnp
@@ -50,6 +56,10 @@ from gymnax.environments import spaces
 # ================================================================================================
 
 
+class ConfigError(ValueError):
+    """A bad flag: the message names the flag, the value and the fix."""
+
+
 @struct.dataclass
 class HParams:
     """Hyperparameters that are traced, not compiled in: changing one never recompiles.
@@ -59,28 +69,57 @@ class HParams:
     select a branch with `jnp.where`, so they can be swept too.
     """
 
-    lr: float = 2.5e-4
-    """Adam learning rate (the starting value when --anneal-lr is on)."""
-    anneal_lr: bool = True
-    """Linearly anneal the learning rate from --lr towards 0 over the run (one step per update)."""
-    gamma: float = 0.99
-    """Discount factor."""
-    gae_lambda: float = 0.95
-    """GAE lambda (PPO paper, Eq. 11-12)."""
+    # --- the objective
     clip_eps: float = 0.2
-    """Clipping epsilon of the surrogate objective (PPO paper, Eq. 7); also the value-clip range."""
+    """Clipping epsilon of the surrogate objective (PPO paper, Eq. 7); 0 or inf: no clipping (the
+    paper's Table 1 baseline). Also the value-clip range of --clip-vloss."""
+    kl_coef: float = 0.0
+    """PPO-Penalty: initial beta of the loss term beta * KL[pi_old(.|s), pi(.|s)], exact closed-form
+    KL (PPO paper, Sec. 4, Eq. 8); 0: no penalty."""
+    kl_target: float = 0.0
+    """PPO-Penalty: d_targ for adapting beta after each update (halve if KL < d_targ/1.5, double if
+    KL > 1.5 d_targ; PPO paper, Sec. 4); 0: beta stays fixed."""
+    ref_kl_coef: float = 0.0
+    """KL leash (InstructGPT-style RLHF): subtract c * (log pi(a|s) - log pi_ref(a|s)) from each reward
+    before GAE, pi_ref frozen (the initial policy, or --ref-params); 0: off."""
+    target_kl: float = 0.0
+    """Skip the update's remaining gradient steps once a minibatch's approx KL exceeds this; 0: never."""
     ent_coef: float = 0.01
     """Entropy bonus coefficient c2 (PPO paper, Eq. 9)."""
     vf_coef: float = 0.5
     """Value loss coefficient c1 (PPO paper, Eq. 9)."""
-    max_grad_norm: float = 0.5
-    """Clip the global gradient norm to this value (inf: no clipping)."""
-    norm_adv: bool = True
-    """Normalise advantages to zero mean and unit std within each minibatch."""
     clip_vloss: bool = True
     """Clip the value update around the old value prediction (OpenAI baselines form)."""
+    # --- returns and advantages
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 0.95
+    """GAE lambda (GAE paper; PPO paper, Eq. 11-12)."""
+    bootstrap_truncation: bool = True
+    """Bootstrap from the critic's value of the final observation when a time limit truncates an
+    episode (off: treat truncation as termination, as most PPO code does)."""
+    norm_adv: bool = True
+    """Normalise advantages to zero mean and unit std within each minibatch."""
+    # --- optimisation
+    lr: float = 2.5e-4
+    """Adam learning rate (the starting value when --anneal-lr is on)."""
+    anneal_lr: bool = True
+    """Linearly anneal the learning rate from --lr towards 0 over the run (one step per update)."""
+    max_grad_norm: float = 0.5
+    """Clip the global gradient norm to this value (inf: no clipping)."""
     adam_eps: float = 1e-5
     """Adam epsilon."""
+    ortho_init: bool = True
+    """Orthogonal init (sqrt 2 hidden, 0.01 policy head, 1 value head); off: flax's default (LeCun normal)."""
+    # --- observation and reward processing
+    norm_obs: bool = False
+    """Normalise observations by a running mean/variance over all envs (kept with the params)."""
+    clip_obs: float = 10.0
+    """With --norm-obs, clip normalised observations to [-clip_obs, clip_obs]."""
+    scale_reward: bool = False
+    """Divide rewards by the running std of the discounted return (gym's NormalizeReward)."""
+    clip_reward: float = math.inf
+    """Clip the (scaled) reward to [-clip_reward, clip_reward] (inf: no clipping)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +129,8 @@ class Config:
     env: str = "CartPole-v1"
     """gymnax environment id (e.g. CartPole-v1, Pendulum-v1, Acrobot-v1, MountainCarContinuous-v0,
     Breakout-MinAtar, Catch-bsuite). The defaults shown by --help are that env's defaults."""
+    env_params: tuple[str, ...] = ()
+    """Override the env's gymnax EnvParams, e.g. --env-params gravity=12.0 max_steps_in_episode=200."""
     total_timesteps: int = 500_000
     """Environment steps per seed (rounded down to a whole number of updates)."""
     num_envs: int = 4
@@ -101,9 +142,17 @@ class Config:
     num_minibatches: int = 4
     """Minibatches per epoch; must divide the batch."""
     hidden_sizes: tuple[int, ...] = (64, 64)
-    """Widths of the hidden layers of the actor and of the (separate) critic."""
+    """Widths of the hidden layers of the actor and of the critic."""
     activation: Literal["tanh", "relu"] = "tanh"
     """Hidden-layer activation."""
+    shared_trunk: bool = False
+    """One MLP trunk feeding both the policy and the value head (default: separate actor and critic)."""
+    init_params: str | None = None
+    """Start from the policy (params and observation statistics) in this params.msgpack."""
+    ref_params: str | None = None
+    """The frozen reference policy of --ref-kl-coef, from this params.msgpack (default: the initial policy)."""
+    params_index: int = 0
+    """Which seed of a multi-seed params.msgpack --init-params and --ref-params load."""
     seed: int = 0
     """Base random seed; seed i of --num-seeds uses key i of split(PRNGKey(seed), num_seeds)."""
     num_seeds: int = 1
@@ -174,6 +223,22 @@ class EnvState:
     episode_length: jax.Array  # [N]
 
 
+def override_env_params(env_params, overrides: Sequence[str]):
+    """Apply "name=value" overrides to a gymnax EnvParams, keeping each field's type."""
+    fields = {field.name: getattr(env_params, field.name) for field in dataclasses.fields(env_params)}
+    changes = {}
+    for item in overrides:
+        name, _, text = item.partition("=")
+        if name not in fields or not text:
+            raise ConfigError(f"--env-params {item!r}: give name=value with a name from {sorted(fields)}")
+        kind = type(fields[name]) if isinstance(fields[name], bool | int | float) else float
+        try:
+            changes[name] = text.lower() in ("1", "true") if kind is bool else kind(text)
+        except ValueError:
+            raise ConfigError(f"--env-params {item!r}: {name} needs a {kind.__name__} value") from None
+    return env_params.replace(**changes)
+
+
 class VecEnv:
     """A gymnax env vmapped over `num_envs`, with three thin, pure additions:
     observations flattened to float32 vectors; continuous actions clipped to the action space's
@@ -182,8 +247,9 @@ class VecEnv:
     puts the observation before the reset in `info["final_observation"]`.
     """
 
-    def __init__(self, env_id: str, num_envs: int):
+    def __init__(self, env_id: str, num_envs: int, env_params: Sequence[str] = ()):
         self.env, self.env_params = gymnax.make(env_id)
+        self.env_params = override_env_params(self.env_params, env_params)
         self.num_envs = num_envs
         action_space = self.env.action_space(self.env_params)
         self.discrete = isinstance(action_space, spaces.Discrete)
@@ -234,7 +300,7 @@ class VecEnv:
 
 
 # ================================================================================================
-# 3. Network and action distributions
+# 3. Network, action distributions, running statistics
 # ================================================================================================
 # Closed-form distributions instead of distrax: distrax pulls in tfp-nightly and warns at import on
 # this jax, and each of these is a few lines that the tests check against scipy.
@@ -260,11 +326,16 @@ class Categorical:
         log_p = jax.nn.log_softmax(self.logits)
         return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
 
+    def kl(self, other: Categorical):
+        """KL[self || other] = sum_a p(a) (log p(a) - log q(a))."""
+        log_p, log_q = jax.nn.log_softmax(self.logits), jax.nn.log_softmax(other.logits)
+        return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+
 
 @struct.dataclass
 class DiagGaussian:
     mean: jax.Array  # [..., action_dim]
-    log_std: jax.Array  # [action_dim], state-independent, broadcast over the batch
+    log_std: jax.Array  # [..., action_dim] (state-independent, broadcast to the batch by the network)
 
     def sample(self, key):
         return self.mean + jnp.exp(self.log_std) * jax.random.normal(key, self.mean.shape)
@@ -277,37 +348,88 @@ class DiagGaussian:
         return jnp.sum(-0.5 * z**2 - self.log_std - 0.5 * LOG_2PI, axis=-1)
 
     def entropy(self):
-        log_std = jnp.broadcast_to(self.log_std, self.mean.shape)
-        return jnp.sum(log_std + 0.5 + 0.5 * LOG_2PI, axis=-1)
+        return jnp.sum(self.log_std + 0.5 + 0.5 * LOG_2PI, axis=-1)
+
+    def kl(self, other: DiagGaussian):
+        """KL[self || other], summed over independent dimensions."""
+        variance_ratio = jnp.exp(2.0 * (self.log_std - other.log_std))
+        mahalanobis = ((self.mean - other.mean) * jnp.exp(-other.log_std)) ** 2
+        return jnp.sum(other.log_std - self.log_std + 0.5 * (variance_ratio + mahalanobis - 1.0), axis=-1)
 
 
 class ActorCritic(nn.Module):
-    """Separate actor and critic MLPs with orthogonal init: sqrt(2) on hidden layers, 0.01 on the
-    policy head (near-uniform initial policy), 1.0 on the value head; zero biases."""
+    """Actor and critic MLPs (separate, or one shared trunk). Orthogonal init: sqrt(2) on hidden
+    layers, 0.01 on the policy head (a near-uniform initial policy), 1.0 on the value head, zero
+    biases; with orthogonal_init=False, flax's default (LeCun normal kernels, zero biases)."""
 
     action_dim: int
     discrete: bool
     hidden_sizes: Sequence[int] = (64, 64)
     activation: str = "tanh"
+    shared_trunk: bool = False
+    orthogonal_init: bool = True
 
     @nn.compact
     def __call__(self, obs):  # obs: [B, obs_dim] -> (distribution over [B] actions, values [B])
         activation = {"tanh": nn.tanh, "relu": nn.relu}[self.activation]
-        hidden_init = nn.initializers.orthogonal(math.sqrt(2.0))
+
+        def dense(width, scale, name):
+            init = nn.initializers.orthogonal(scale) if self.orthogonal_init else nn.initializers.lecun_normal()
+            return nn.Dense(width, kernel_init=init, name=name)
 
         def trunk(x, name):
             for i, width in enumerate(self.hidden_sizes):
-                x = activation(nn.Dense(width, kernel_init=hidden_init, name=f"{name}_{i}")(x))
+                x = activation(dense(width, math.sqrt(2.0), f"{name}_{i}")(x))
             return x
 
-        policy_out = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01), name="policy_head")(
-            trunk(obs, "actor")
-        )
-        values = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0), name="value_head")(trunk(obs, "critic"))
+        actor_features = trunk(obs, "trunk" if self.shared_trunk else "actor")
+        critic_features = actor_features if self.shared_trunk else trunk(obs, "critic")
+        policy_out = dense(self.action_dim, 0.01, "policy_head")(actor_features)
+        values = dense(1, 1.0, "value_head")(critic_features)[..., 0]
         if self.discrete:
-            return Categorical(policy_out), values[..., 0]
+            return Categorical(policy_out), values
         log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
-        return DiagGaussian(policy_out, log_std), values[..., 0]
+        return DiagGaussian(policy_out, jnp.broadcast_to(log_std, policy_out.shape)), values
+
+
+@struct.dataclass
+class RunningStats:
+    """Running mean and (population) variance of a stream of batches, merged with the parallel
+    formula of Chan et al. The count is float32: beyond ~1.6e7 samples it rounds, which only
+    slightly changes the weight of new batches."""
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def zeros(cls, shape=()):
+        return cls(jnp.zeros(shape, jnp.float32), jnp.ones(shape, jnp.float32), jnp.zeros((), jnp.float32))
+
+    def update(self, batch):  # batch: [n, *shape]
+        n = batch.shape[0]
+        batch_mean, batch_var = jnp.mean(batch, axis=0), jnp.var(batch, axis=0)
+        total = self.count + n
+        delta = batch_mean - self.mean
+        mean = self.mean + delta * n / total
+        sum_squares = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        return RunningStats(mean, sum_squares / total, total)
+
+    def normalize(self, x, clip):
+        return jnp.clip((x - self.mean) / jnp.sqrt(self.var + 1e-8), -clip, clip)
+
+
+@struct.dataclass
+class Policy:
+    """What acting needs: network params and the observation statistics. Saved as params.msgpack."""
+
+    params: Any
+    obs_stats: RunningStats
+
+
+def observe(policy_obs_stats: RunningStats, raw_obs, hparams: HParams):
+    """The observation the network sees: normalised with these statistics when --norm-obs is on."""
+    return jnp.where(hparams.norm_obs, policy_obs_stats.normalize(raw_obs, hparams.clip_obs), raw_obs)
 
 
 # ================================================================================================
@@ -339,16 +461,23 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lamb
 
 
 def clipped_surrogate(ratio, advantages, clip_eps):
-    """Per-sample clipped surrogate objective, to be maximised (PPO paper, Eq. 7)."""
-    return jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
+    """Per-sample clipped surrogate objective, to be maximised (PPO paper, Eq. 7). clip_eps 0 (or
+    inf) gives the unclipped surrogate r * A."""
+    clipped = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
+    return jnp.where(clip_eps > 0, clipped, ratio * advantages)
 
 
 def value_loss(values, old_values, targets, clip_eps, clip_vloss):
-    """0.5 * squared error; with `clip_vloss` the OpenAI-baselines pessimistic clipped form."""
+    """0.5 * squared error; with `clip_vloss` (and clipping on) the OpenAI-baselines clipped form."""
     unclipped = (values - targets) ** 2
     clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
     clipped = jnp.maximum(unclipped, (clipped_values - targets) ** 2)
-    return 0.5 * jnp.mean(jnp.where(clip_vloss, clipped, unclipped))
+    return 0.5 * jnp.mean(jnp.where(clip_vloss & (clip_eps > 0), clipped, unclipped))
+
+
+def adaptive_kl_coef(kl_coef, kl, kl_target):
+    """PPO paper, Sec. 4: halve beta when KL < d_targ / 1.5, double it when KL > 1.5 d_targ."""
+    return jnp.where(kl < kl_target / 1.5, kl_coef / 2.0, jnp.where(kl > kl_target * 1.5, kl_coef * 2.0, kl_coef))
 
 
 def explained_variance(predictions, targets):
@@ -372,22 +501,29 @@ class TrainState:
     params: Any
     opt_state: Any
     env_state: EnvState
-    obs: jax.Array  # [N, obs_dim] the observation each env is in now
+    obs: jax.Array  # [N, obs_dim] the raw observation each env is in now
+    obs_stats: RunningStats  # of raw observations, over all envs
+    reward_stats: RunningStats  # of the per-env discounted return (for --scale-reward)
+    discounted_return: jax.Array  # [N]
+    kl_coef: jax.Array  # PPO-Penalty's beta, adapted after each update
+    reference: Policy  # the frozen pi_ref of the KL leash
     key: jax.Array
     update: jax.Array  # updates done so far (int32)
 
 
 @struct.dataclass
 class Transition:  # every field time-major [T, N, ...]
-    obs: jax.Array
-    action: jax.Array
+    obs: jax.Array  # as the network saw it (normalised when --norm-obs)
+    action: jax.Array  # as sampled (unclipped)
     log_prob: jax.Array
+    dist: Any  # the behaviour policy's distribution (for the exact KL of PPO-Penalty)
     value: jax.Array
-    reward: jax.Array
+    reward: jax.Array  # what GAE uses: scaled, clipped, minus the KL leash
     terminated: jax.Array
     done: jax.Array
-    final_obs: jax.Array  # the true next observation (before any automatic reset)
-    episode_return: jax.Array  # return of the episode that ended here (where done)
+    final_obs: jax.Array  # the true next observation (before any automatic reset), as the network sees it
+    ref_kl: jax.Array  # exact KL[pi || pi_ref] at this state (0 with the leash off)
+    episode_return: jax.Array  # raw return of the episode that ended here (where done)
     episode_length: jax.Array
 
 
@@ -396,49 +532,84 @@ class Batch:  # flat [B, ...]
     obs: jax.Array
     action: jax.Array
     log_prob: jax.Array
+    dist: Any
     value: jax.Array
     advantages: jax.Array
     targets: jax.Array
 
 
-def make_optimizer(hparams: HParams, steps_per_update: int, num_updates: int):
-    """Global-norm clipping, then Adam, then the (annealed) learning rate. Built inside the traced
-    train function, so every coefficient here is an HParams leaf."""
-    schedule = lambda count: learning_rate(hparams, count // steps_per_update, num_updates)  # noqa: E731
-    return optax.chain(
-        optax.clip_by_global_norm(hparams.max_grad_norm),
-        optax.scale_by_adam(eps=hparams.adam_eps),
-        optax.scale_by_learning_rate(schedule),
-    )
+def make_optimizer(hparams: HParams):
+    """Global-norm clipping, then Adam. The learning rate is applied by minibatch_step, so an update
+    whose steps --target-kl skipped does not shift the schedule."""
+    return optax.chain(optax.clip_by_global_norm(hparams.max_grad_norm), optax.scale_by_adam(eps=hparams.adam_eps))
 
 
-def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int):
+def leash_terms(state: TrainState, network: ActorCritic, dist, action, hparams: HParams):
+    """(log pi_ref(a|s), KL[pi || pi_ref]) for the KL leash; computed only when it is on."""
+
+    def reference():
+        ref_dist, _ = network.apply(state.reference.params, observe(state.reference.obs_stats, state.obs, hparams))
+        return ref_dist.log_prob(action), dist.kl(ref_dist)
+
+    def off():  # log pi_ref := log pi: the penalty is exactly 0
+        log_prob = dist.log_prob(action)
+        return log_prob, jnp.zeros_like(log_prob)
+
+    return jax.lax.cond(hparams.ref_kl_coef > 0, reference, off)
+
+
+def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams):
     """lax.scan over num_steps of (policy forward, sample, vmapped env step) -> [T, N] Transition."""
 
     def step(state: TrainState, _):
         key, action_key, step_key = jax.random.split(state.key, 3)
-        dist, value = network.apply(state.params, state.obs)
+        obs_stats = state.obs_stats.update(state.obs)
+        obs = observe(obs_stats, state.obs, hparams)
+        dist, value = network.apply(state.params, obs)
         action = dist.sample(action_key)
-        obs, env_state, reward, terminated, truncated, info = env.step(step_key, state.env_state, action)
+        log_prob = dist.log_prob(action)
+        ref_log_prob, ref_kl = leash_terms(state, network, dist, action, hparams)
+        next_obs, env_state, reward, terminated, truncated, info = env.step(step_key, state.env_state, action)
+        done = terminated | truncated
+
+        # Reward processing, in order: scale by the running std of the discounted return, clip,
+        # then the KL leash (in units of log-probability, so after the scaling).
+        discounted_return = state.discounted_return * hparams.gamma + reward
+        reward_stats = state.reward_stats.update(discounted_return)
+        scaled = jnp.where(hparams.scale_reward, reward / jnp.sqrt(reward_stats.var + 1e-8), reward)
+        train_reward = jnp.clip(scaled, -hparams.clip_reward, hparams.clip_reward)
+        train_reward = train_reward - hparams.ref_kl_coef * (log_prob - ref_log_prob)
+
         transition = Transition(
-            obs=state.obs,
+            obs=obs,
             action=action,
-            log_prob=dist.log_prob(action),
+            log_prob=log_prob,
+            dist=dist,
             value=value,
-            reward=reward,
+            reward=train_reward,
             terminated=terminated,
-            done=terminated | truncated,
-            final_obs=info["final_observation"],
+            done=done,
+            final_obs=observe(obs_stats, info["final_observation"], hparams),
+            ref_kl=ref_kl,
             episode_return=info["episode_return"],
             episode_length=info["episode_length"],
         )
-        return state.replace(obs=obs, env_state=env_state, key=key), transition
+        state = state.replace(
+            obs=next_obs,
+            obs_stats=obs_stats,
+            env_state=env_state,
+            reward_stats=reward_stats,
+            discounted_return=jnp.where(done, 0.0, discounted_return),
+            key=key,
+        )
+        return state, transition
 
     return jax.lax.scan(step, state, None, length=num_steps)
 
 
-def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams):
-    """PPO-Clip loss on one minibatch (PPO paper, Eq. 9, negated for minimisation)."""
+def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_coef):
+    """PPO loss on one minibatch: clipped surrogate (Eq. 7), KL penalty (Eq. 8), value loss and
+    entropy bonus (Eq. 9); negated for minimisation. Which terms act is data: their coefficients."""
     dist, values = network.apply(params, batch.obs)
     log_probs = dist.log_prob(batch.action)
     log_ratio = log_probs - batch.log_prob
@@ -448,24 +619,34 @@ def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams):
     advantages = jnp.where(hparams.norm_adv, normalised, advantages)
 
     policy_loss = -jnp.mean(clipped_surrogate(ratio, advantages, hparams.clip_eps))
+    kl = jnp.mean(batch.dist.kl(dist))  # exact KL[pi_old || pi]
     v_loss = value_loss(values, batch.value, batch.targets, hparams.clip_eps, hparams.clip_vloss)
     entropy = jnp.mean(dist.entropy())
-    total = policy_loss + hparams.vf_coef * v_loss - hparams.ent_coef * entropy
+    total = policy_loss + kl_coef * kl + hparams.vf_coef * v_loss - hparams.ent_coef * entropy
+    clipped = (jnp.abs(ratio - 1.0) > hparams.clip_eps) & (hparams.clip_eps > 0)
     diagnostics = {
         "policy_loss": policy_loss,
         "value_loss": v_loss,
         "entropy": entropy,
         "approx_kl": jnp.mean((ratio - 1.0) - log_ratio),  # the low-variance k3 estimator
-        "clip_frac": jnp.mean((jnp.abs(ratio - 1.0) > hparams.clip_eps).astype(jnp.float32)),
+        "clip_frac": jnp.mean(clipped.astype(jnp.float32)),
     }
     return total, diagnostics
 
 
-def minibatch_step(carry, minibatch: Batch, network, tx, hparams):
-    params, opt_state = carry
-    grads, diagnostics = jax.grad(ppo_loss, has_aux=True)(params, network, minibatch, hparams)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), diagnostics
+def minibatch_step(carry, minibatch: Batch, network, tx, hparams, lr, kl_coef):
+    """One gradient step, unless --target-kl has stopped this update (a mask, not a branch, so the
+    whole update stays one program)."""
+    params, opt_state, stopped = carry
+    grads, diagnostics = jax.grad(ppo_loss, has_aux=True)(params, network, minibatch, hparams, kl_coef)
+    stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
+    params, opt_state = jax.tree.map(
+        lambda new, old: jnp.where(stopped, old, new), (new_params, new_opt_state), (params, opt_state)
+    )
+    diagnostics["grad_steps"] = 1.0 - stopped.astype(jnp.float32)
+    return (params, opt_state, stopped), diagnostics
 
 
 def shuffle_into_minibatches(key, batch: Batch, num_minibatches: int) -> Batch:
@@ -474,19 +655,19 @@ def shuffle_into_minibatches(key, batch: Batch, num_minibatches: int) -> Batch:
     return jax.tree.map(lambda x: jnp.take(x, permutation, axis=0).reshape(num_minibatches, -1, *x.shape[1:]), batch)
 
 
-def epoch_step(carry, key, batch: Batch, config: Config, network, tx, hparams):
+def epoch_step(carry, key, batch: Batch, num_minibatches: int, step_fn):
     """One pass over the batch: a lax.scan of gradient steps over shuffled minibatches."""
-    step = functools.partial(minibatch_step, network=network, tx=tx, hparams=hparams)
-    return jax.lax.scan(step, carry, shuffle_into_minibatches(key, batch, config.num_minibatches))
+    return jax.lax.scan(step_fn, carry, shuffle_into_minibatches(key, batch, num_minibatches))
 
 
 def make_batch(traj: Transition, advantages, targets) -> Batch:
     """Flatten what the update needs from [T, N, ...] to [B, ...] (B = T * N)."""
-    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+    flat = lambda tree: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree)  # noqa: E731
     return Batch(
         obs=flat(traj.obs),
         action=flat(traj.action),
         log_prob=flat(traj.log_prob),
+        dist=flat(traj.dist),
         value=flat(traj.value),
         advantages=flat(advantages),
         targets=flat(targets),
@@ -495,71 +676,146 @@ def make_batch(traj: Transition, advantages, targets) -> Batch:
 
 def update_step(state: TrainState, _, config: Config, env: VecEnv, network, tx, hparams: HParams):
     """One PPO iteration: rollout -> GAE -> update_epochs x num_minibatches gradient steps."""
-    state, traj = collect_rollout(state, env, network, config.num_steps)
+    state, traj = collect_rollout(state, env, network, config.num_steps, hparams)
 
     # The critic's value of the true next state of every step, in one batched pass. Where no
     # episode ended, final_obs is simply the next observation.
     _, next_values = network.apply(state.params, traj.final_obs)  # [T, N]
+    terminated = jnp.where(hparams.bootstrap_truncation, traj.terminated, traj.done)
     advantages, targets = compute_gae(
-        traj.reward, traj.value, next_values, traj.terminated, traj.done, hparams.gamma, hparams.gae_lambda
+        traj.reward, traj.value, next_values, terminated, traj.done, hparams.gamma, hparams.gae_lambda
     )
     batch = make_batch(traj, advantages, targets)
 
     key, epoch_key = jax.random.split(state.key)
-    epoch = functools.partial(epoch_step, batch=batch, config=config, network=network, tx=tx, hparams=hparams)
-    (params, opt_state), diagnostics = jax.lax.scan(
-        epoch, (state.params, state.opt_state), jax.random.split(epoch_key, config.update_epochs)
+    lr = learning_rate(hparams, state.update, config.num_updates)
+    step_fn = functools.partial(minibatch_step, network=network, tx=tx, hparams=hparams, lr=lr, kl_coef=state.kl_coef)
+    epoch = functools.partial(epoch_step, batch=batch, num_minibatches=config.num_minibatches, step_fn=step_fn)
+    (params, opt_state, _), diagnostics = jax.lax.scan(
+        epoch, (state.params, state.opt_state, jnp.array(False)), jax.random.split(epoch_key, config.update_epochs)
     )
 
+    # PPO-Penalty: d = the exact mean KL between the old and the updated policy over the batch.
+    new_dist, _ = network.apply(params, batch.obs)
+    kl = jnp.mean(batch.dist.kl(new_dist))
+    kl_coef = jnp.where(hparams.kl_target > 0, adaptive_kl_coef(state.kl_coef, kl, hparams.kl_target), state.kl_coef)
+
     ended = traj.done.astype(jnp.float32)
+    grad_steps = diagnostics.pop("grad_steps")
     metrics = {  # one scalar each; NaN return/length when no episode ended in this update
         "episode_return": jnp.sum(ended * traj.episode_return) / jnp.sum(ended),
         "episode_length": jnp.sum(ended * traj.episode_length) / jnp.sum(ended),
         "episodes": jnp.sum(ended),
         **{name: jnp.mean(value) for name, value in diagnostics.items()},  # mean over epochs x minibatches
+        "kl": kl,
+        "kl_coef": state.kl_coef,  # the beta this update used
+        "ref_kl": jnp.where(hparams.ref_kl_coef > 0, jnp.mean(traj.ref_kl), jnp.nan),
+        "grad_steps": jnp.sum(grad_steps),
         "explained_variance": explained_variance(traj.value, targets),
-        "learning_rate": learning_rate(hparams, state.update, config.num_updates),
+        "learning_rate": lr,
     }
-    state = state.replace(params=params, opt_state=opt_state, key=key, update=state.update + 1)
+    state = state.replace(params=params, opt_state=opt_state, kl_coef=kl_coef, key=key, update=state.update + 1)
     return state, metrics
 
 
+def make_env(config: Config) -> VecEnv:
+    return VecEnv(config.env, config.num_envs, config.env_params)
+
+
 def make_network(config: Config, env: VecEnv) -> ActorCritic:
-    return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation)
+    return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation,
+                       config.shared_trunk)
 
 
-def init_train_state(key, env: VecEnv, network: ActorCritic, tx) -> TrainState:
+def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
+    """Fresh params (orthogonal or default init, chosen by a traced switch) and empty statistics."""
+    orthogonal = network.init(key, obs)
+    default = network.clone(orthogonal_init=False).init(key, obs)
+    params = jax.tree.map(lambda a, b: jnp.where(hparams.ortho_init, a, b), orthogonal, default)
+    return Policy(params, RunningStats.zeros((env.obs_dim,)))
+
+
+def init_train_state(key, env: VecEnv, network: ActorCritic, tx, hparams: HParams,
+                     initial: Policy | None = None, reference: Policy | None = None) -> TrainState:
+    """The state before the first update: `initial` (default: a fresh policy) is where training
+    starts; `reference` (default: that same starting policy) is the KL leash's pi_ref."""
     key, init_key, reset_key = jax.random.split(key, 3)
     obs, env_state = env.reset(reset_key)
-    params = network.init(init_key, obs)
-    return TrainState(params, tx.init(params), env_state, obs, key, jnp.zeros((), jnp.int32))
+    initial = init_policy(init_key, env, network, hparams, obs) if initial is None else initial
+    reference = initial if reference is None else reference
+    return TrainState(
+        params=initial.params,
+        opt_state=tx.init(initial.params),
+        env_state=env_state,
+        obs=obs,
+        obs_stats=initial.obs_stats,
+        reward_stats=RunningStats.zeros(),
+        discounted_return=jnp.zeros(env.num_envs, jnp.float32),
+        kl_coef=jnp.asarray(hparams.kl_coef, jnp.float32),
+        reference=reference,
+        key=key,
+        update=jnp.zeros((), jnp.int32),
+    )
 
 
 def make_train(config: Config):
     """Returns the pure function train(key, hparams) -> (TrainState, metrics).
 
     Only `config`'s static fields shape the program; `config.hparams` is not read here. The
-    metrics are a dict of float32 arrays of shape [num_updates].
+    metrics are a dict of float32 arrays of shape [num_updates]. Policies named by --init-params
+    and --ref-params are read here and become constants of the program.
     """
-    env = VecEnv(config.env, config.num_envs)
+    env = make_env(config)
     network = make_network(config, env)
+    initial = load_policy(config, env, network, config.init_params, "--init-params")
+    reference = load_policy(config, env, network, config.ref_params, "--ref-params")
 
     def train(key, hparams: HParams):
-        tx = make_optimizer(hparams, config.update_epochs * config.num_minibatches, config.num_updates)
-        state = init_train_state(key, env, network, tx)
+        tx = make_optimizer(hparams)
+        state = init_train_state(key, env, network, tx, hparams, initial, reference)
         step = functools.partial(update_step, config=config, env=env, network=network, tx=tx, hparams=hparams)
         return jax.lax.scan(step, state, None, length=config.num_updates)
 
     return train
 
 
+def load_policy(config: Config, env: VecEnv, network: ActorCritic, path: str | None, flag: str) -> Policy | None:
+    """Read seed `config.params_index` of a params.msgpack written by an earlier run, checking it
+    against this run's network; a ConfigError names what does not fit. No pickle: msgpack only."""
+    if path is None:
+        return None
+    template = jax.eval_shape(
+        lambda key: init_policy(key, env, network, HParams(), jnp.zeros((1, env.obs_dim))), jax.random.PRNGKey(0)
+    )
+    try:
+        with open(path, "rb") as f:
+            saved = serialization.msgpack_restore(f.read())
+    except OSError as error:
+        raise ConfigError(f"{flag} {path}: cannot read it ({error.strerror})") from None
+    except Exception:  # msgpack raises several types on garbage
+        raise ConfigError(f"{flag} {path}: not a params.msgpack written by ppo_jax") from None
+    expected = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), sep="/")
+    found = flax.traverse_util.flatten_dict(saved, sep="/") if isinstance(saved, dict) else {}
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or extra:
+        raise ConfigError(f"{flag} {path}: its parameters do not match this network (missing {missing[:3]}, "
+                          f"unexpected {extra[:3]}): same --hidden-sizes / --shared-trunk as the run that saved it?")
+    num_seeds = {np.shape(value)[0] if np.ndim(value) else 0 for value in found.values()}
+    if len(num_seeds) != 1 or not config.params_index < min(num_seeds):
+        raise ConfigError(f"{flag} {path}: holds {sorted(num_seeds)} seed(s); --params-index "
+                          f"{config.params_index} must be smaller")
+    for name, leaf in expected.items():
+        shape = tuple(np.shape(found[name])[1:])
+        if shape != leaf.shape:
+            raise ConfigError(f"{flag} {path}: {name} has shape {shape}, this run's network needs {leaf.shape} "
+                              f"(a different --env or --hidden-sizes?)")
+    chosen = {name: jnp.asarray(value[config.params_index], jnp.float32) for name, value in found.items()}
+    return serialization.from_state_dict(template, flax.traverse_util.unflatten_dict(chosen, sep="/"))
+
+
 # ================================================================================================
 # 6. Running: validation before compiling, then one compile and one run
 # ================================================================================================
-
-
-class ConfigError(ValueError):
-    """A bad flag: the message names the flag, the value and the fix."""
 
 
 def validate(config: Config) -> None:
@@ -568,6 +824,7 @@ def validate(config: Config) -> None:
         close = difflib.get_close_matches(config.env, gymnax.registered_envs, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs"
         raise ConfigError(f"--env {config.env!r} is not a gymnax environment: {hint}")
+    override_env_params(gymnax.make(config.env)[1], config.env_params)
     for flag in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches", "num_seeds"):
         value = getattr(config, flag)
         if value < 1:
@@ -593,13 +850,24 @@ def validate(config: Config) -> None:
     for flag in ("gamma", "gae_lambda"):
         if not 0.0 <= getattr(h, flag) <= 1.0:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(h, flag)}: must be in [0, 1]")
-    for flag in ("clip_eps", "ent_coef", "vf_coef", "adam_eps"):
+    for flag in ("clip_eps", "kl_coef", "kl_target", "ref_kl_coef", "target_kl", "ent_coef", "vf_coef", "adam_eps"):
         if not getattr(h, flag) >= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(h, flag)}: must be >= 0")
-    if not h.max_grad_norm > 0:
-        raise ConfigError(f"--max-grad-norm {h.max_grad_norm}: must be > 0 (inf turns clipping off)")
+    for flag in ("max_grad_norm", "clip_obs", "clip_reward"):
+        if not getattr(h, flag) > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(h, flag)}: must be > 0 (inf turns clipping off)")
+    if h.kl_target > 0 and h.kl_coef == 0:
+        raise ConfigError(f"--kl-target {h.kl_target} adapts beta, but --kl-coef is 0 and would stay 0: "
+                          "give a starting beta, e.g. --kl-coef 1")
+    if config.params_index < 0:
+        raise ConfigError(f"--params-index {config.params_index}: must be >= 0")
     if config.run_dir is not None and os.path.exists(config.run_dir):
         raise ConfigError(f"--run-dir {config.run_dir} already exists: pick a new directory (nothing is overwritten)")
+    if config.init_params or config.ref_params:
+        env = make_env(config)
+        network = make_network(config, env)
+        load_policy(config, env, network, config.init_params, "--init-params")
+        load_policy(config, env, network, config.ref_params, "--ref-params")
 
 
 @dataclasses.dataclass
@@ -647,8 +915,10 @@ TABLE_COLUMNS = (  # (metric, header, format)
     ("policy_loss", "pi_loss", "{:.4f}"),
     ("value_loss", "v_loss", "{:.4g}"),
     ("entropy", "entropy", "{:.3f}"),
-    ("approx_kl", "kl", "{:.5f}"),
+    ("approx_kl", "approx_kl", "{:.5f}"),
     ("clip_frac", "clip", "{:.3f}"),
+    ("kl_coef", "beta", "{:.3g}"),  # shown only when PPO-Penalty is on
+    ("ref_kl", "ref_kl", "{:.4f}"),  # shown only when the KL leash is on
     ("explained_variance", "expl_var", "{:.3f}"),
     ("learning_rate", "lr", "{:.2e}"),
 )
@@ -667,11 +937,13 @@ def format_table(metrics: dict[str, np.ndarray], rows: int) -> str:
     """Every few updates, each metric averaged over seeds (NaN-aware; '-' where no episode ended)."""
     num_updates = metrics["episode_return"].shape[1]
     picks = sorted(set(np.linspace(0, num_updates - 1, min(rows, num_updates)).round().astype(int)))
-    header = ["update"] + [title for _, title, _ in TABLE_COLUMNS]
+    columns = [(name, title, fmt) for name, title, fmt in TABLE_COLUMNS
+               if name not in ("kl_coef", "ref_kl") or np.any(np.nan_to_num(metrics[name]) != 0)]
+    header = ["update"] + [title for _, title, _ in columns]
     lines = [header]
     for i in picks:
         line = [str(i + 1)]
-        for name, _, fmt in TABLE_COLUMNS:
+        for name, _, fmt in columns:
             column = metrics[name][:, i]
             value = np.nanmean(column) if np.any(np.isfinite(column)) else float("nan")
             line.append("-" if np.isnan(value) else fmt.format(value))
@@ -755,8 +1027,9 @@ def write_outputs(run_dir: str, config: Config, result: RunResult) -> None:
         json.dump(summary, f, indent=2)
     write_metrics_csv(os.path.join(run_dir, "metrics.csv"), result.metrics)
     plot_curve(os.path.join(run_dir, "curve.png"), result.metrics, f"PPO on {config.env}")
-    with open(os.path.join(run_dir, "params.msgpack"), "wb") as f:  # leading [num_seeds] axis
-        f.write(serialization.to_bytes(jax.device_get(result.state.params)))
+    final_policy = Policy(result.state.params, result.state.obs_stats)  # leading [num_seeds] axis
+    with open(os.path.join(run_dir, "params.msgpack"), "wb") as f:
+        f.write(serialization.to_bytes(jax.device_get(final_policy)))
 
 
 # ================================================================================================

@@ -7,6 +7,7 @@ loop, scipy, a hand-derived value, or an equivalence (vmapped == single run).
 
 import dataclasses
 import json
+import math
 import os
 
 import chex
@@ -26,6 +27,17 @@ def tiny_config(**overrides) -> P.Config:
                 update_epochs=2, hidden_sizes=(16, 16), table_rows=0)
     base.update(overrides)
     return P.Config(**base)
+
+
+def first_rollout(config: P.Config, key, hparams: P.HParams | None = None):
+    """The initial train state exactly as train() builds it, and its first rollout."""
+    hparams = config.hparams if hparams is None else hparams
+    env = P.make_env(config)
+    network = P.make_network(config, env)
+    state = P.init_train_state(key, env, network, P.make_optimizer(hparams), hparams)
+    rollout = jax.jit(P.collect_rollout, static_argnums=(1, 2, 3))
+    after, traj = rollout(state, env, network, config.num_steps, hparams)
+    return network, state, after, traj
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,8 +147,8 @@ def test_explained_variance_and_learning_rate_schedule():
 def test_vec_env_episode_accounting_and_final_observation():
     """Random actions on CartPole with a 20-step limit (so episodes both terminate and truncate),
     checked against a Python tally."""
-    env = P.VecEnv("CartPole-v1", 3)
-    env.env_params = env.env_params.replace(max_steps_in_episode=20)
+    env = P.VecEnv("CartPole-v1", 3, env_params=["max_steps_in_episode=20"])
+    assert env.env_params.max_steps_in_episode == 20
     obs, state = env.reset(jax.random.PRNGKey(0))
     step = jax.jit(env.step)
     key = jax.random.PRNGKey(1)
@@ -165,11 +177,7 @@ def test_vec_env_episode_accounting_and_final_observation():
 
 def test_rollout_shapes_and_continuous_actions_unclipped():
     config = tiny_config(env="Pendulum-v1", num_steps=64)
-    env = P.VecEnv(config.env, config.num_envs)
-    network = P.make_network(config, env)
-    tx = P.make_optimizer(config.hparams, 1, 1)
-    state = P.init_train_state(jax.random.PRNGKey(0), env, network, tx)
-    _, traj = jax.jit(P.collect_rollout, static_argnums=(1, 2, 3))(state, env, network, config.num_steps)
+    _, _, _, traj = first_rollout(config, jax.random.PRNGKey(0))
     T, N = config.num_steps, config.num_envs
     chex.assert_shape((traj.log_prob, traj.value, traj.reward, traj.terminated, traj.done), (T, N))
     chex.assert_shape((traj.obs, traj.final_obs), (T, N, 3))
@@ -182,11 +190,7 @@ def test_rollout_shapes_and_continuous_actions_unclipped():
 
 def test_ratio_is_exactly_one_on_first_minibatch():
     config = tiny_config()
-    env = P.VecEnv(config.env, config.num_envs)
-    network = P.make_network(config, env)
-    tx = P.make_optimizer(config.hparams, 1, 1)
-    state = P.init_train_state(jax.random.PRNGKey(3), env, network, tx)
-    state, traj = P.collect_rollout(state, env, network, config.num_steps)
+    network, state, _, traj = first_rollout(config, jax.random.PRNGKey(3))
     zeros = jnp.zeros_like(traj.value)
     batch = P.make_batch(traj, zeros, zeros)
     first = jax.tree.map(lambda x: x[0], P.shuffle_into_minibatches(jax.random.PRNGKey(4), batch, 4))
@@ -250,6 +254,184 @@ def test_hparams_are_traced_not_compiled_in():
 
 
 # ------------------------------------------------------------------------------------------------
+# Objectives (PPO-Penalty, KL leash, early stop) and implementation-detail switches
+# ------------------------------------------------------------------------------------------------
+
+
+def test_adaptive_kl_coef_rule_on_its_boundaries():
+    target = 3.0  # thresholds 3 / 1.5 = 2 and 3 * 1.5 = 4.5, both exact in float32
+    cases = [(0.0, 0.5), (1.999, 0.5), (2.0, 1.0), (3.0, 1.0), (4.5, 1.0), (4.501, 2.0), (100.0, 2.0)]
+    for kl, factor in cases:
+        assert float(P.adaptive_kl_coef(jnp.float32(1.0), jnp.float32(kl), jnp.float32(target))) == factor, kl
+
+
+def test_closed_form_kl_matches_monte_carlo():
+    key_p, key_g = jax.random.split(jax.random.PRNGKey(0))
+    n = 400_000
+    p = P.Categorical(jnp.array([1.0, -0.5, 0.3, 2.0]))
+    q = P.Categorical(jnp.array([0.2, 0.1, -1.0, 1.0]))
+    samples = jax.random.categorical(key_p, p.logits, shape=(n,))
+    log_ratio = jax.nn.log_softmax(p.logits)[samples] - jax.nn.log_softmax(q.logits)[samples]
+    assert float(p.kl(q)) == pytest.approx(float(log_ratio.mean()), abs=4 * float(log_ratio.std()) / n**0.5)
+    g = P.DiagGaussian(jnp.array([0.5, -1.0]), jnp.array([0.1, -0.7]))
+    h = P.DiagGaussian(jnp.array([0.0, 0.3]), jnp.array([-0.2, 0.4]))
+    x = g.mean + jnp.exp(g.log_std) * jax.random.normal(key_g, (n, 2))
+    log_ratio = (scipy.stats.norm(g.mean, np.exp(g.log_std)).logpdf(x) - scipy.stats.norm(h.mean, np.exp(h.log_std)).logpdf(x)).sum(-1)
+    assert float(g.kl(h)) == pytest.approx(float(log_ratio.mean()), abs=4 * float(log_ratio.std()) / n**0.5)
+    assert float(p.kl(p)) == 0.0 and float(g.kl(g)) == 0.0
+
+
+def test_running_stats_match_numpy_over_the_same_stream():
+    rng = np.random.default_rng(3)
+    batches = [rng.normal(loc=i, scale=1 + i, size=(5, 3)).astype(np.float32) for i in range(20)]
+    stats = P.RunningStats.zeros((3,))
+    for batch in batches:
+        stats = stats.update(jnp.asarray(batch))
+    stream = np.concatenate(batches)
+    np.testing.assert_allclose(stats.mean, stream.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(stats.var, stream.var(0), rtol=1e-4)
+    assert float(stats.count) == len(stream)
+    normalised = stats.normalize(jnp.asarray(stream), 10.0)
+    np.testing.assert_allclose(normalised.mean(0), 0.0, atol=1e-4)
+    assert float(jnp.max(jnp.abs(stats.normalize(jnp.asarray(stream) * 100, 2.0)))) == 2.0
+
+
+def test_leash_penalty_is_zero_at_the_reference_and_exact_elsewhere():
+    config = tiny_config()
+    leashed = dataclasses.replace(config.hparams, ref_kl_coef=0.5)
+    # At step 0 the reference is the current policy: same rewards, KL exactly 0.
+    _, _, _, free = first_rollout(config, jax.random.PRNGKey(0))
+    network, state, _, tied = first_rollout(config, jax.random.PRNGKey(0), leashed)
+    np.testing.assert_array_equal(tied.reward, free.reward)
+    np.testing.assert_array_equal(tied.ref_kl, 0.0)
+    # A different reference: the penalty is c * (log pi(a|s) - log pi_ref(a|s)), to the last bit.
+    other = network.init(jax.random.PRNGKey(42), state.obs)
+    state = state.replace(reference=P.Policy(other, state.obs_stats))
+    env = P.make_env(config)
+    _, traj = P.collect_rollout(state, env, network, config.num_steps, leashed)
+    ref_dist, _ = network.apply(other, traj.obs)
+    expected = free.reward - 0.5 * (traj.log_prob - ref_dist.log_prob(traj.action))
+    np.testing.assert_allclose(traj.reward, expected, rtol=1e-6, atol=1e-6)
+    dist, _ = network.apply(state.params, traj.obs)
+    p_now = scipy.special.softmax(np.asarray(dist.logits, np.float64), -1)
+    p_ref = scipy.special.softmax(np.asarray(ref_dist.logits, np.float64), -1)
+    np.testing.assert_allclose(traj.ref_kl, scipy.stats.entropy(p_now, p_ref, axis=-1), atol=1e-6)
+    assert float(traj.ref_kl.mean()) > 0
+
+
+def test_ppo_penalty_beta_follows_the_adaptive_rule():
+    config = tiny_config(total_timesteps=4 * 32 * 8)
+    hparams = dataclasses.replace(config.hparams, clip_eps=0.0, kl_coef=1.0, kl_target=0.002, lr=3e-3)
+    _, metrics = jax.jit(P.make_train(config))(jax.random.PRNGKey(0), hparams)
+    beta, kl = np.asarray(metrics["kl_coef"]), np.asarray(metrics["kl"])
+    assert beta[0] == 1.0
+    for i in range(len(beta) - 1):
+        expected = beta[i] / 2 if kl[i] < 0.002 / 1.5 else beta[i] * 2 if kl[i] > 0.002 * 1.5 else beta[i]
+        assert beta[i + 1] == pytest.approx(expected), i
+    assert len(set(beta.tolist())) > 1  # it did adapt
+
+
+def test_target_kl_masks_the_remaining_steps():
+    config = tiny_config()
+    train = jax.jit(P.make_train(config))
+    _, free = train(jax.random.PRNGKey(0), dataclasses.replace(config.hparams, lr=1e-2))
+    _, stopped = train(jax.random.PRNGKey(0), dataclasses.replace(config.hparams, lr=1e-2, target_kl=1e-4))
+    full = config.update_epochs * config.num_minibatches
+    np.testing.assert_array_equal(free["grad_steps"], full)
+    assert np.all(stopped["grad_steps"] >= 1) and np.any(stopped["grad_steps"] < full)
+
+
+def switch_test_config():
+    # Pendulum: 256-step rollouts cross its 200-step time limit, so truncation matters.
+    return tiny_config(env="Pendulum-v1", num_steps=256, total_timesteps=4 * 256 * 2)
+
+
+SWITCH_BASE = dict(lr=3e-3)  # large enough steps that clipping and early stopping can bite
+SWITCHES = {  # name: (overrides of the base point, overrides of the flipped point)
+    "clip_eps": ({}, dict(clip_eps=0.0)),
+    "kl_coef": ({}, dict(kl_coef=1.0)),
+    "kl_target": (dict(kl_coef=1.0), dict(kl_coef=1.0, kl_target=1e-4)),
+    "ref_kl_coef": ({}, dict(ref_kl_coef=1.0)),
+    "target_kl": ({}, dict(target_kl=1e-4)),
+    "ent_coef": ({}, dict(ent_coef=0.0)),
+    "vf_coef": ({}, dict(vf_coef=1.0)),
+    "clip_vloss": ({}, dict(clip_vloss=False)),
+    "gamma": ({}, dict(gamma=0.9)),
+    "gae_lambda": ({}, dict(gae_lambda=0.5)),
+    "bootstrap_truncation": ({}, dict(bootstrap_truncation=False)),
+    "norm_adv": ({}, dict(norm_adv=False)),
+    "lr": ({}, dict(lr=1e-3)),
+    "anneal_lr": ({}, dict(anneal_lr=False)),
+    "max_grad_norm": ({}, dict(max_grad_norm=math.inf)),
+    "adam_eps": ({}, dict(adam_eps=1e-2)),
+    "ortho_init": ({}, dict(ortho_init=False)),
+    "norm_obs": ({}, dict(norm_obs=True)),
+    "clip_obs": (dict(norm_obs=True), dict(norm_obs=True, clip_obs=0.5)),
+    "scale_reward": ({}, dict(scale_reward=True)),
+    "clip_reward": ({}, dict(clip_reward=1.0)),
+}
+
+
+def test_every_hparams_field_has_a_switch_test():
+    assert set(SWITCHES) == {f.name for f in dataclasses.fields(P.HParams)}
+
+
+def test_every_switch_changes_the_first_updates():
+    """A dead flag fails here: flipping each HParams switch changes the params after two updates
+    (two, because the KL leash and beta's adaptation act from the second), all in one compile."""
+    config = switch_test_config()
+    train = jax.jit(P.make_train(config))
+    key = jax.random.PRNGKey(0)
+    for name, (base, flipped) in SWITCHES.items():
+        runs = [train(key, P.HParams(**{**SWITCH_BASE, **overrides})) for overrides in (base, flipped)]
+        (state_a, metrics_a), (state_b, metrics_b) = runs
+        differs = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state_a.params),
+                                                            jax.tree.leaves(state_b.params))]
+        assert any(differs), f"--{name.replace('_', '-')} changed nothing"
+    assert train._cache_size() == 1
+
+
+@pytest.mark.parametrize("static", [dict(shared_trunk=True), dict(activation="relu")])
+def test_static_switches_change_the_run(static):
+    config = switch_test_config()
+    _, base = jax.jit(P.make_train(config))(jax.random.PRNGKey(0), config.hparams)
+    _, flipped = jax.jit(P.make_train(dataclasses.replace(config, **static)))(jax.random.PRNGKey(0), config.hparams)
+    assert not np.array_equal(base["value_loss"], flipped["value_loss"])
+
+
+def test_shared_trunk_has_one_trunk():
+    config = dataclasses.replace(tiny_config(), shared_trunk=True)
+    env = P.make_env(config)
+    params = P.make_network(config, env).init(jax.random.PRNGKey(0), jnp.zeros((1, env.obs_dim)))["params"]
+    assert sorted(params) == ["policy_head", "trunk_0", "trunk_1", "value_head"]
+
+
+def test_init_and_ref_params_load_a_saved_policy(tmp_path, capsys):
+    saved = tmp_path / "pretrained"
+    P.main(["--total-timesteps", "1024", "--num-steps", "32", "--hidden-sizes", "8", "--norm-obs",
+            "--run-dir", str(saved)])
+    path = str(saved / "params.msgpack")
+    # Training from it with a vanishing learning rate ends where it started.
+    config = tiny_config(hidden_sizes=(8,), init_params=path, total_timesteps=4 * 32)
+    state, _ = jax.jit(P.make_train(config))(jax.random.PRNGKey(1), dataclasses.replace(config.hparams, lr=1e-12))
+    restored = serialization.msgpack_restore(open(path, "rb").read())
+    np.testing.assert_allclose(state.params["params"]["actor_0"]["kernel"],
+                               restored["params"]["params"]["actor_0"]["kernel"][0], atol=1e-6)
+    assert float(state.obs_stats.count) > float(restored["obs_stats"]["count"][0])  # it kept counting
+    # As the leash's reference, it differs from a fresh policy: KL > 0 from the first update.
+    config = tiny_config(hidden_sizes=(8,), ref_params=path)
+    _, metrics = jax.jit(P.make_train(config))(jax.random.PRNGKey(1), dataclasses.replace(config.hparams,
+                                                                                           ref_kl_coef=0.1))
+    assert metrics["ref_kl"][0] > 0
+    # The wrong architecture is one clear line, before compiling.
+    with pytest.raises(SystemExit):
+        P.main(["--hidden-sizes", "16", "--init-params", path, "--run-dir", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert "--init-params" in err and "shape" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
 
@@ -269,7 +451,8 @@ def test_cli_tiny_run_writes_every_output(tmp_path, capsys):
     assert lines[0].startswith("seed,update,env_steps,")
     assert len(lines) == 1 + 2 * 8  # header + seeds x updates
     params = serialization.msgpack_restore((run_dir / "params.msgpack").read_bytes())
-    assert params["params"]["actor_0"]["kernel"].shape == (2, 4, 8)  # [seeds, obs_dim, width]
+    assert params["params"]["params"]["actor_0"]["kernel"].shape == (2, 4, 8)  # [seeds, obs_dim, width]
+    assert params["obs_stats"]["mean"].shape == (2, 4)
     # The run directory is never reused.
     with pytest.raises(SystemExit) as exit_info:
         P.main(["--total-timesteps", "1024", "--run-dir", str(run_dir)])
@@ -296,6 +479,10 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--lr", "0"], ["--lr", "> 0"]),
     (["--gamma", "1.5"], ["--gamma", "[0, 1]"]),
     (["--total-timesteps", "100"], ["--total-timesteps", "one batch"]),
+    (["--env-params", "gravityy=3"], ["--env-params", "gravity"]),
+    (["--kl-target", "0.01"], ["--kl-target", "--kl-coef"]),
+    (["--clip-reward", "0"], ["--clip-reward", "inf"]),
+    (["--init-params", "/nonexistent/params.msgpack"], ["--init-params", "cannot read"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -327,3 +514,18 @@ def test_learns_pendulum():
     print(f"Pendulum-v1 final return per seed: {finals}")
     assert np.mean(finals) >= -300, finals
     assert np.all(finals >= -400), finals
+
+
+def test_learns_cartpole_with_ppo_penalty_adaptive_kl():
+    """PPO-Penalty alone (no clipping), adaptive beta with d_targ 0.01. At the classic lr 2.5e-4 the
+    KL per update stays far below d_targ and beta decays to 0, so the penalty never acts; at 2.5e-3
+    it does: beta settles around 0.1-0.5 and the KL around d_targ."""
+    config = dataclasses.replace(P.default_config("CartPole-v1"), num_seeds=2)
+    config = dataclasses.replace(config, hparams=dataclasses.replace(
+        config.hparams, clip_eps=0.0, kl_coef=1.0, kl_target=0.01, lr=2.5e-3))
+    result = P.run(config)
+    finals = P.final_return(result.metrics)
+    print(f"CartPole-v1 PPO-Penalty final return per seed: {finals}")
+    assert np.all(finals >= 475), finals
+    assert np.all(np.median(result.metrics["kl_coef"], axis=1) > 1e-2)  # the penalty was in play
+    assert np.all(np.abs(np.log(np.median(result.metrics["kl"], axis=1) / 0.01)) < np.log(3))
