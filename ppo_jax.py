@@ -37,6 +37,8 @@ import math
 import os
 import sys
 import time
+import tomllib
+import warnings
 from typing import Annotated, Any, Literal, Sequence
 
 import flax
@@ -50,6 +52,12 @@ import optax
 import tyro
 from flax import serialization, struct
 from gymnax.environments import spaces
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# Run CPU programs in the calling thread: a whole run is one call, so asynchronous dispatch buys
+# nothing, and handing long programs to jax's CPU thread pool sometimes never returned on this
+# 2-core machine (see run_batch). Takes effect if set before the CPU backend starts.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 # ================================================================================================
 # 1. Config and HParams
@@ -161,6 +169,18 @@ class Config:
     """Output directory (default: runs/<env>-<timestamp>). Must not exist: nothing is overwritten."""
     table_rows: int = 20
     """Rows of the metrics table printed after the run (0: none)."""
+    sweep: str | None = None
+    """Run the sweep spec in this TOML file (see sweeps/): a grid and/or random search over HParams
+    x seeds, one compiled program per static setting."""
+    sweep_set: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """A sweep from flags: --sweep-set lr=1e-4,3e-4 --sweep-set clip_eps=0.1,0.2 (the cartesian
+    product, over HParams fields)."""
+    sweep_chunk: int = 0
+    """Run at most this many agents (points x seeds) at a time, for batches that do not fit in
+    memory (0: all at once). Each chunk reuses the one compiled program."""
+    distributed: bool = False
+    """Call jax.distributed.initialize() first: run the same command on every host of a multi-host
+    slice; the batch is sharded over all their devices and host 0 writes the outputs."""
     hparams: Annotated[HParams, tyro.conf.OmitArgPrefixes] = HParams()
     """Traced hyperparameters: the point that a single run uses."""
 
@@ -814,25 +834,55 @@ def load_policy(config: Config, env: VecEnv, network: ActorCritic, path: str | N
 
 
 # ================================================================================================
-# 6. Running: validation before compiling, then one compile and one run
+# 6. Running and sweeps: validation, then a batch of agents compiled once, sharded over devices
 # ================================================================================================
 
+STATIC_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"hparams"}
+HPARAM_FIELDS = {f.name for f in dataclasses.fields(HParams)}
+RUN_FIELDS = {"run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "distributed"}  # not part of a spec
 
-def validate(config: Config) -> None:
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate_hparams(h: HParams, where: str = "") -> None:
+    """Raise ConfigError for the first out-of-range hyperparameter (`where` prefixes the message)."""
+    def bad(message):
+        raise ConfigError(where + message)
+
+    if not h.lr > 0:
+        bad(f"--lr {h.lr}: the learning rate must be > 0")
+    for name in ("gamma", "gae_lambda"):
+        if not 0.0 <= getattr(h, name) <= 1.0:
+            bad(f"{flag(name)} {getattr(h, name)}: must be in [0, 1]")
+    for name in ("clip_eps", "kl_coef", "kl_target", "ref_kl_coef", "target_kl", "ent_coef", "vf_coef", "adam_eps"):
+        if not getattr(h, name) >= 0:
+            bad(f"{flag(name)} {getattr(h, name)}: must be >= 0")
+    for name in ("max_grad_norm", "clip_obs", "clip_reward"):
+        if not getattr(h, name) > 0:
+            bad(f"{flag(name)} {getattr(h, name)}: must be > 0 (inf turns clipping off)")
+    if h.kl_target > 0 and h.kl_coef == 0:
+        bad(f"--kl-target {h.kl_target} adapts beta, but --kl-coef is 0 and would stay 0: "
+            "give a starting beta, e.g. --kl-coef 1")
+
+
+def validate(config: Config, check_run_dir: bool = True) -> None:
     """Raise ConfigError for the first invalid setting, before anything is compiled."""
     if config.env not in gymnax.registered_envs:
         close = difflib.get_close_matches(config.env, gymnax.registered_envs, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs"
         raise ConfigError(f"--env {config.env!r} is not a gymnax environment: {hint}")
     override_env_params(gymnax.make(config.env)[1], config.env_params)
-    for flag in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches", "num_seeds"):
-        value = getattr(config, flag)
-        if value < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
+    for name in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches", "num_seeds"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be a positive integer")
+    if config.activation not in ("tanh", "relu"):
+        raise ConfigError(f"--activation {config.activation!r}: use tanh or relu")
     if not config.hidden_sizes or min(config.hidden_sizes) < 1:
         raise ConfigError(f"--hidden-sizes {config.hidden_sizes}: give one or more positive widths, e.g. 64 64")
-    if config.table_rows < 0:
-        raise ConfigError(f"--table-rows {config.table_rows}: must be >= 0")
+    if config.table_rows < 0 or config.sweep_chunk < 0:
+        raise ConfigError(f"--table-rows {config.table_rows} / --sweep-chunk {config.sweep_chunk}: must be >= 0")
     if config.batch_size % config.num_minibatches:
         raise ConfigError(
             f"--num-minibatches {config.num_minibatches} does not divide the batch "
@@ -844,24 +894,10 @@ def validate(config: Config) -> None:
     if config.total_timesteps < config.batch_size:
         raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
                           f"({config.batch_size} = --num-envs x --num-steps)")
-    h = config.hparams
-    if not h.lr > 0:
-        raise ConfigError(f"--lr {h.lr}: the learning rate must be > 0")
-    for flag in ("gamma", "gae_lambda"):
-        if not 0.0 <= getattr(h, flag) <= 1.0:
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(h, flag)}: must be in [0, 1]")
-    for flag in ("clip_eps", "kl_coef", "kl_target", "ref_kl_coef", "target_kl", "ent_coef", "vf_coef", "adam_eps"):
-        if not getattr(h, flag) >= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(h, flag)}: must be >= 0")
-    for flag in ("max_grad_norm", "clip_obs", "clip_reward"):
-        if not getattr(h, flag) > 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(h, flag)}: must be > 0 (inf turns clipping off)")
-    if h.kl_target > 0 and h.kl_coef == 0:
-        raise ConfigError(f"--kl-target {h.kl_target} adapts beta, but --kl-coef is 0 and would stay 0: "
-                          "give a starting beta, e.g. --kl-coef 1")
+    validate_hparams(config.hparams)
     if config.params_index < 0:
         raise ConfigError(f"--params-index {config.params_index}: must be >= 0")
-    if config.run_dir is not None and os.path.exists(config.run_dir):
+    if check_run_dir and config.run_dir is not None and os.path.exists(config.run_dir):
         raise ConfigError(f"--run-dir {config.run_dir} already exists: pick a new directory (nothing is overwritten)")
     if config.init_params or config.ref_params:
         env = make_env(config)
@@ -872,14 +908,16 @@ def validate(config: Config) -> None:
 
 @dataclasses.dataclass
 class RunResult:
-    state: TrainState  # leaves with a leading [num_seeds] axis
-    metrics: dict[str, np.ndarray]  # name -> [num_seeds, num_updates]; includes env_steps
+    state: TrainState  # numpy leaves with a leading [batch] axis (agents: points x seeds)
+    metrics: dict[str, np.ndarray]  # name -> [batch, num_updates]; includes env_steps
     lower_seconds: float
     compile_seconds: float
     run_seconds: float
+    num_devices: int = 1  # the batch axis was sharded over this many devices
 
     @property
     def steps_per_second(self) -> float:
+        """Environment steps per second, all agents of the batch together."""
         return float(self.metrics["env_steps"][0, -1]) * self.metrics["env_steps"].shape[0] / self.run_seconds
 
 
@@ -887,21 +925,285 @@ def seed_keys(config: Config):
     return jax.random.split(jax.random.PRNGKey(config.seed), config.num_seeds)
 
 
-def run(config: Config) -> RunResult:
-    """Compile and run config.num_seeds seeds of the config as one program."""
-    train = jax.jit(jax.vmap(make_train(config), in_axes=(0, None)))
-    keys = seed_keys(config)
+def stack_hparams(points: Sequence[HParams]) -> HParams:
+    """[HParams, ...] -> one HParams whose leaves are arrays with a leading [len(points)] axis."""
+    def stack(*values):
+        array = np.asarray(values)
+        return array if array.dtype == bool else array.astype(np.float32)
+
+    return jax.tree.map(stack, *points)
+
+
+def to_host(tree):
+    """Device arrays -> numpy; across hosts, gather every host's shards first."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        tree = multihost_utils.process_allgather(tree, tiled=True)
+    return jax.tree.map(np.asarray, tree)
+
+
+def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, progress=None) -> RunResult:
+    """Train a batch of agents of one static config as one jitted program: keys [B, 2] and HParams
+    leaves [B] are vmapped together. The batch axis is sharded over every device (a 1-D mesh,
+    padded to a multiple of the device count by repeating the last agent; the padding is dropped
+    after). With chunk_size, the batch runs in chunks of that many agents through the same compiled
+    program. progress(done_agents) is called after each chunk."""
+    keys = np.asarray(keys)
+    size = keys.shape[0]
+    num_devices = jax.device_count()
+    chunk = min(chunk_size or size, size)
+    chunk = -(-chunk // num_devices) * num_devices  # round up to a multiple of the device count
+    num_chunks = -(-size // chunk)
+    pad = lambda x: np.concatenate([x, np.repeat(x[-1:], num_chunks * chunk - size, axis=0)])  # noqa: E731
+    keys, hparams = pad(keys), jax.tree.map(pad, hparams)
+
+    train = jax.vmap(make_train(config))
+    if num_devices == 1:
+        # One device: a plain jit, executed inline in this thread. (The sharded path below, on one
+        # CPU device, is dispatched to jax's CPU thread pool, where long programs sometimes never
+        # completed on this 2-core machine: every thread idle, block_until_ready waiting forever.)
+        train = jax.jit(train)
+        chunk_inputs = lambda i: jax.tree.map(lambda x: x[i * chunk:(i + 1) * chunk], (keys, hparams))  # noqa: E731
+    else:
+        sharding = NamedSharding(Mesh(np.asarray(jax.devices()), ("batch",)), PartitionSpec("batch"))
+        train = jax.jit(train, in_shardings=sharding, out_shardings=sharding)
+
+        def chunk_inputs(i):  # each host supplies the shards of its own devices
+            def put(x):
+                part = x[i * chunk:(i + 1) * chunk]
+                return jax.make_array_from_callback(part.shape, sharding, lambda index: part[index])
+
+            return jax.tree.map(put, keys), jax.tree.map(put, hparams)
+
     start = time.perf_counter()
-    lowered = train.lower(keys, config.hparams)
+    lowered = train.lower(*chunk_inputs(0))
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
-    state, metrics = jax.block_until_ready(compiled(keys, config.hparams))
+    outputs = []
+    for i in range(num_chunks):
+        outputs.append(to_host(jax.block_until_ready(compiled(*chunk_inputs(i)))))
+        if progress:
+            progress(min((i + 1) * chunk, size))
     finished_at = time.perf_counter()
-    metrics = {name: np.asarray(value) for name, value in metrics.items()}
+    state, metrics = jax.tree.map(lambda *parts: np.concatenate(parts)[:size], *outputs)
     updates = np.arange(1, config.num_updates + 1, dtype=np.int64)  # host-side: no int32 overflow
-    metrics["env_steps"] = np.broadcast_to(updates * config.batch_size, (config.num_seeds, config.num_updates))
-    return RunResult(state, metrics, lowered_at - start, compiled_at - lowered_at, finished_at - compiled_at)
+    metrics["env_steps"] = np.broadcast_to(updates * config.batch_size, (size, config.num_updates))
+    return RunResult(state, metrics, lowered_at - start, compiled_at - lowered_at, finished_at - compiled_at,
+                     num_devices)
+
+
+def run(config: Config) -> RunResult:
+    """Compile and run config.num_seeds seeds of the config's HParams point as one program."""
+    hparams = stack_hparams([config.hparams] * config.num_seeds)
+    return run_batch(config, seed_keys(config), hparams, config.sweep_chunk)
+
+
+# --- sweep specs ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Sweep:
+    """A resolved sweep: every static setting (one compile each) runs every point x every seed."""
+
+    name: str
+    configs: list[Config]  # one per static setting; .hparams is that setting's base point
+    points: list[dict[str, Any]]  # HParams overrides of each point
+    labels: list[str]
+    swept: list[str]  # the HParams fields that vary between points
+    normalized_score: bool
+    spec_text: str
+
+    def hparams(self, config: Config) -> list[HParams]:
+        return [dataclasses.replace(config.hparams, **point) for point in self.points]
+
+
+def coerce(name: str, value, template, where: str):
+    """A spec value, checked against the type of the field's default."""
+    ok = False
+    if isinstance(template, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(template, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(template, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(template, tuple):
+        element = type(template[0]) if template else str
+        ok = isinstance(value, list | tuple) and all(type(v) is element for v in value)
+        value = tuple(value) if ok else value
+    else:  # str or None
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"{where}: {name} = {value!r} has the wrong type (like {template!r})")
+    return value
+
+
+def apply_overrides(config: Config, overrides: dict[str, Any], where: str, allowed=STATIC_FIELDS | HPARAM_FIELDS):
+    """Config with `overrides` (Config or HParams field names) applied; unknown keys are errors."""
+    static, hparams = {}, {}
+    for name, value in overrides.items():
+        if name not in allowed:
+            raise ConfigError(f"{where}: unknown key {name!r}; known keys: {', '.join(sorted(allowed))}")
+        if name in HPARAM_FIELDS:
+            hparams[name] = coerce(name, value, getattr(HParams(), name), where)
+        else:
+            static[name] = coerce(name, value, getattr(Config(), name) if getattr(Config(), name) is not None else "",
+                                  where)
+    return dataclasses.replace(config, **static, hparams=dataclasses.replace(config.hparams, **hparams))
+
+
+def expand_grid(grid: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The cartesian product of {field: [values]}, in the spec's order; {} gives one empty point."""
+    for name, values in grid.items():
+        if name not in HPARAM_FIELDS:
+            raise ConfigError(f"{where}: {name!r} is not an HParams field (static settings go in [[static]]); "
+                              f"known: {', '.join(sorted(HPARAM_FIELDS))}")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{where}: {name} needs a non-empty list of values, e.g. {name} = [0.1, 0.2]")
+    points = [{}]
+    for name, values in grid.items():
+        points = [{**point, name: coerce(name, value, getattr(HParams(), name), where)}
+                  for point in points for value in values]
+    return points
+
+
+def sample_random(spec: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """Random search: `count` points, each field drawn from log_uniform/uniform [lo, hi] or a choice."""
+    spec = dict(spec)
+    count, seed = spec.pop("count", None), spec.pop("seed", 0)
+    if not isinstance(count, int) or count < 1:
+        raise ConfigError(f"{where}: count = {count!r}: give the number of random points, e.g. count = 16")
+    rng = np.random.default_rng(seed)
+    samplers = {}
+    for name, dist in spec.items():
+        if name not in HPARAM_FIELDS:
+            raise ConfigError(f"{where}: {name!r} is not an HParams field; known: {', '.join(sorted(HPARAM_FIELDS))}")
+        if not (isinstance(dist, dict) and len(dist) == 1 and set(dist) <= {"log_uniform", "uniform", "choice"}):
+            raise ConfigError(f"{where}: {name} needs one of {{ log_uniform = [lo, hi] }}, "
+                              "{ uniform = [lo, hi] }, { choice = [...] }")
+        (kind, args), = dist.items()
+        if kind == "choice":
+            if not isinstance(args, list) or not args:
+                raise ConfigError(f"{where}: {name}.choice needs a non-empty list")
+            samplers[name] = lambda args=args: args[int(rng.integers(len(args)))]
+            continue
+        if not (isinstance(args, list) and len(args) == 2 and all(isinstance(a, int | float) for a in args)
+                and args[0] < args[1] and (kind == "uniform" or args[0] > 0)):
+            raise ConfigError(f"{where}: {name}.{kind} needs [lo, hi] with lo < hi" +
+                              (" and lo > 0" if kind == "log_uniform" else ""))
+        lo, hi = args
+        samplers[name] = ((lambda lo=lo, hi=hi: float(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
+                          if kind == "log_uniform" else (lambda lo=lo, hi=hi: float(rng.uniform(lo, hi))))
+    return [{name: coerce(name, draw(), getattr(HParams(), name), where) for name, draw in samplers.items()}
+            for _ in range(count)]
+
+
+def format_value(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, explicit: dict[str, Any]) -> Sweep:
+    """Turn a parsed spec into configs and points. Precedence, lowest first: the env's defaults,
+    the spec's [base], its [[static]] entry, then the flags given on the command line."""
+    where = f"--sweep {name}"
+    known = {"name", "normalized_score", "base", "grid", "random", "static"}
+    for key in spec:
+        if key not in known:
+            raise ConfigError(f"{where}: unknown top-level key {key!r}; known: {', '.join(sorted(known))}")
+    base = spec.get("base", {})
+    statics = spec.get("static", [{}])
+    if not isinstance(base, dict) or not isinstance(statics, list) or not all(isinstance(x, dict) for x in statics):
+        raise ConfigError(f"{where}: [base] must be a table and [[static]] an array of tables")
+    configs = []
+    for i, static in enumerate(statics):
+        env = explicit.get("env", static.get("env", base.get("env", cli.env)))
+        if env not in gymnax.registered_envs:
+            validate(dataclasses.replace(cli, env=env))  # the unknown-env message
+        config = apply_overrides(default_config(env), base, f"{where} [base]", STATIC_FIELDS - RUN_FIELDS | HPARAM_FIELDS)
+        config = apply_overrides(config, static, f"{where} [[static]] {i + 1}", STATIC_FIELDS - RUN_FIELDS | HPARAM_FIELDS)
+        config = apply_overrides(config, explicit, "command line")
+        validate(config, check_run_dir=False)
+        configs.append(config)
+
+    grids = spec.get("grid", [{}] if "random" not in spec else [])
+    grids = [grids] if isinstance(grids, dict) else grids
+    points = [point for i, grid in enumerate(grids) for point in expand_grid(grid, f"{where} [[grid]] {i + 1}")]
+    if "random" in spec:
+        randoms = sample_random(spec["random"], f"{where} [random]")
+        overlap = {k for p in points for k in p} & {k for r in randoms for k in r}
+        if overlap:
+            raise ConfigError(f"{where}: {sorted(overlap)} appear in both [grid] and [random]")
+        points = [{**point, **sample} for point in (points or [{}]) for sample in randoms]
+    swept = [k for k in HPARAM_FIELDS if len({format_value(p.get(k, "-")) for p in points}) > 1]
+    swept.sort(key=lambda k: [f.name for f in dataclasses.fields(HParams)].index(k))
+    labels = [", ".join(f"{k}={format_value(v)}" for k, v in point.items()) or "base" for point in points]
+    for config in configs:
+        for label, hparams in zip(labels, [dataclasses.replace(config.hparams, **p) for p in points]):
+            validate_hparams(hparams, f"{where}, point {label!r} on {config.env}: ")
+    return Sweep(spec.get("name", name), configs, points, labels, swept,
+                 bool(spec.get("normalized_score", False)), spec_text)
+
+
+def sweep_from_flags(cli: Config, explicit: dict[str, Any]) -> Sweep:
+    """--sweep-set name=v1,v2 ... as a one-grid spec."""
+    grid = {}
+    for item in cli.sweep_set:
+        name, _, values = item.partition("=")
+        if name not in HPARAM_FIELDS or not values:
+            raise ConfigError(f"--sweep-set {item!r}: give name=v1,v2,... with an HParams field name, e.g. lr=1e-4,3e-4")
+        template = getattr(HParams(), name)
+        try:
+            grid[name] = [v.strip().lower() in ("1", "true", "on") if isinstance(template, bool) else float(v)
+                          for v in values.split(",")]
+        except ValueError:
+            raise ConfigError(f"--sweep-set {item!r}: {name} takes numbers") from None
+    explicit = {k: v for k, v in explicit.items() if k not in grid}
+    text = "\n".join(f"# --sweep-set {item}" for item in cli.sweep_set)
+    return resolve_sweep({"grid": grid}, "cli", text, cli, explicit)
+
+
+def load_sweep(cli: Config, explicit: dict[str, Any]) -> Sweep:
+    """Read --sweep PATH (stdlib tomllib: data only, nothing is evaluated) or --sweep-set flags."""
+    if cli.sweep and cli.sweep_set:
+        raise ConfigError("--sweep and --sweep-set: use one of them (put the grid in the file)")
+    if not cli.sweep:
+        return sweep_from_flags(cli, explicit)
+    try:
+        with open(cli.sweep, "rb") as f:
+            text = f.read().decode()
+        spec = tomllib.loads(text)
+    except OSError as error:
+        raise ConfigError(f"--sweep {cli.sweep}: cannot read it ({error.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--sweep {cli.sweep}: not valid TOML ({error})") from None
+    return resolve_sweep(spec, os.path.splitext(os.path.basename(cli.sweep))[0], text, cli, explicit)
+
+
+def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> float:
+    """Mean return of complete episodes under uniformly random actions (the 0 of normalised
+    scores), over one episode limit's worth of steps in num_envs envs."""
+    env = VecEnv(config.env, num_envs, config.env_params)
+    space = env.env.action_space(env.env_params)
+    steps = min(int(getattr(env.env_params, "max_steps_in_episode", 1000)), 2000) + 1
+
+    def step(env_state, key):
+        action_key, step_key = jax.random.split(key)
+        action = jax.vmap(space.sample)(jax.random.split(action_key, num_envs))
+        action = action if env.discrete else action.reshape(num_envs, env.action_dim)
+        _, env_state, _, terminated, truncated, info = env.step(step_key, env_state, action)
+        done = (terminated | truncated).astype(jnp.float32)
+        return env_state, (done * info["episode_return"], done)
+
+    @jax.jit
+    def rollout(key):
+        reset_key, key = jax.random.split(key)
+        _, env_state = env.reset(reset_key)
+        _, (returns, done) = jax.lax.scan(step, env_state, jax.random.split(key, steps))
+        return returns.sum() / done.sum()
+
+    return float(rollout(jax.random.PRNGKey(seed)))
 
 
 # ================================================================================================
@@ -929,8 +1231,8 @@ def final_return(metrics: dict[str, np.ndarray], fraction: float = 0.1) -> np.nd
     num_updates = metrics["episode_return"].shape[1]
     tail = slice(num_updates - max(1, int(num_updates * fraction)), None)
     returns, counts = metrics["episode_return"][:, tail], metrics["episodes"][:, tail]
-    ended = counts > 0
-    return np.sum(np.where(ended, returns * counts, 0.0), axis=1) / np.sum(counts, axis=1)
+    with np.errstate(invalid="ignore"):  # NaN where no episode ended in the tail
+        return np.sum(np.where(counts > 0, returns * counts, 0.0), axis=1) / np.sum(counts, axis=1)
 
 
 def format_table(metrics: dict[str, np.ndarray], rows: int) -> str:
@@ -952,13 +1254,14 @@ def format_table(metrics: dict[str, np.ndarray], rows: int) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 
 
-def new_run_dir(config: Config) -> str:
-    """Create and return a fresh run directory; never reuse an existing one."""
-    if config.run_dir is not None:
-        os.makedirs(config.run_dir)  # raises if it appeared since validate(): nothing is overwritten
-        return config.run_dir
+def new_run_dir(requested: str | None, name: str) -> str:
+    """Create and return a fresh run directory (`requested`, or runs/<name>-<timestamp>); never
+    reuse an existing one."""
+    if requested is not None:
+        os.makedirs(requested)  # raises if it appeared since validate(): nothing is overwritten
+        return requested
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = os.path.join("runs", f"{config.env}-{stamp}")
+    base = os.path.join("runs", f"{name}-{stamp}")
     path, suffix = base, 1
     while True:
         try:
@@ -1032,6 +1335,223 @@ def write_outputs(run_dir: str, config: Config, result: RunResult) -> None:
         f.write(serialization.to_bytes(jax.device_get(final_policy)))
 
 
+# --- sweep outputs -------------------------------------------------------------------------------
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return "inf" if value == math.inf else "-inf" if value == -math.inf else "nan" if value != value else repr(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a TOML basic string
+
+
+def resolved_sweep_toml(sweep: Sweep, source: str) -> str:
+    """The sweep with everything resolved, in the spec format: `--sweep` on this file runs the same
+    configs and points again (one [[grid]] per point)."""
+    lines = [f"# Resolved from {source} on {datetime.datetime.now():%Y-%m-%d %H:%M}: every static setting",
+             "# in full, one [[grid]] per point. `python ppo_jax.py --sweep <this file>` runs it again.",
+             f"name = {toml_value(sweep.name)}", f"normalized_score = {toml_value(sweep.normalized_score)}", ""]
+    for config in sweep.configs:
+        lines.append("[[static]]")
+        fields = {**dataclasses.asdict(config), **dataclasses.asdict(config.hparams)}
+        for name, value in fields.items():
+            if name not in RUN_FIELDS and name != "hparams" and value is not None:
+                lines.append(f"{name} = {toml_value(value)}")
+        lines.append("")
+    for label, point in zip(sweep.labels, sweep.points):
+        lines.append(f"[[grid]]  # {label}")
+        lines.extend(f"{name} = [{toml_value(value)}]" for name, value in point.items())
+        lines.append("")
+    lines.append("# The spec as given:")
+    lines.extend(f"# {line}" for line in sweep.spec_text.splitlines())
+    return "\n".join(lines) + "\n"
+
+
+@dataclasses.dataclass
+class SweepSetting:
+    """The results of one static setting: metrics [points, seeds, updates]."""
+
+    config: Config
+    result: RunResult
+    random_return: float | None
+
+    def per_point(self, name: str) -> np.ndarray:
+        metric = self.result.metrics[name]
+        return metric.reshape(-1, self.config.num_seeds, *metric.shape[1:])
+
+    def final(self) -> np.ndarray:  # [points, seeds]
+        return final_return(self.result.metrics).reshape(-1, self.config.num_seeds)
+
+    def auc(self) -> np.ndarray:  # [points, seeds]: mean return over all updates (area under the curve / steps)
+        return np.nanmean(self.per_point("episode_return"), axis=-1)
+
+
+def setting_name(i: int, config: Config) -> str:
+    return f"{i + 1}:{config.env}"
+
+
+def append_results_csv(path: str, sweep: Sweep, i: int, setting: SweepSetting) -> None:
+    """One row per point x seed: every HParam, final return, area under the curve, agent-steps/s."""
+    hparam_names = [f.name for f in dataclasses.fields(HParams)]
+    new_file = not os.path.exists(path)
+    finals, aucs = setting.final(), setting.auc()
+    with open(path, "a", newline="") as f:
+        writer = csv.writer(f)
+        if new_file:
+            writer.writerow(["static", "env", "point", "label", "seed"] + hparam_names +
+                            ["final_return", "auc", "agent_steps_per_second"])
+        for p, hparams in enumerate(sweep.hparams(setting.config)):
+            for seed in range(setting.config.num_seeds):
+                writer.writerow([setting_name(i, setting.config), setting.config.env, p, sweep.labels[p], seed] +
+                                [format_value(getattr(hparams, n)) for n in hparam_names] +
+                                [f"{finals[p, seed]:.6g}", f"{aucs[p, seed]:.6g}",
+                                 f"{setting.result.steps_per_second:.0f}"])
+
+
+def normalized_scores(settings: list[SweepSetting]) -> np.ndarray:
+    """Per point, averaged over static settings: (final - random) / (best point - random)."""
+    scores = []
+    for setting in settings:
+        final = np.nanmean(setting.final(), axis=1)
+        scores.append((final - setting.random_return) / (np.nanmax(final) - setting.random_return))
+    return np.nanmean(scores, axis=0)
+
+
+def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[list[str]], str]:
+    """summary.csv rows and the printed table: mean +- std over seeds per point, best first."""
+    rows = [["static", "env", "point", "label"] + sweep.swept +
+            ["final_mean", "final_std", "auc_mean", "auc_std", "num_seeds"]]
+    text = []
+    for i, setting in enumerate(settings):
+        final, auc = setting.final(), setting.auc()
+        final_mean, final_std = np.nanmean(final, 1), np.nanstd(final, 1)
+        auc_mean, auc_std = np.nanmean(auc, 1), np.nanstd(auc, 1)
+        order = np.argsort(-np.nan_to_num(final_mean, nan=-np.inf), kind="stable")
+        result = setting.result
+        text.append(f"\n{setting_name(i, setting.config)}: {len(sweep.points)} points x {setting.config.num_seeds} "
+                    f"seeds, compile {result.lower_seconds + result.compile_seconds:.1f} s, run "
+                    f"{result.run_seconds:.1f} s, {result.steps_per_second:,.0f} agent-steps/s"
+                    + (f", random policy {setting.random_return:.1f}" if setting.random_return is not None else ""))
+        width = max(len(label) for label in sweep.labels)
+        text.append(f"  rank  {'point'.ljust(width)}  {'final return':>18}  {'area under curve':>18}")
+        for rank, p in enumerate(order):
+            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  "
+                        f"{f'{final_mean[p]:.1f} ± {final_std[p]:.1f}':>18}  {f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
+            hparams = sweep.hparams(setting.config)[p]
+            rows.append([setting_name(i, setting.config), setting.config.env, str(p), sweep.labels[p]] +
+                        [format_value(getattr(hparams, n)) for n in sweep.swept] +
+                        [f"{v:.6g}" for v in (final_mean[p], final_std[p], auc_mean[p], auc_std[p])] +
+                        [str(setting.config.num_seeds)])
+    if sweep.normalized_score and settings:
+        scores = normalized_scores(settings)
+        text.append(f"\nnormalised score (random policy = 0, best point = 1), mean over {len(settings)} setting(s):")
+        for p in np.argsort(-np.nan_to_num(scores, nan=-np.inf), kind="stable"):
+            text.append(f"  {scores[p]:6.3f}  {sweep.labels[p]}")
+    return rows, "\n".join(text)
+
+
+def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None:
+    """curves.png (one curve per point, seeds shaded min-max; one panel per static setting) and
+    final_vs_<param>.png for every swept parameter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(settings)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.2), squeeze=False)
+    colors = plt.cm.viridis(np.linspace(0, 0.95, len(sweep.points)))
+    for ax, (i, setting) in zip(axes[0], enumerate(settings)):
+        steps = setting.result.metrics["env_steps"][0]
+        returns = setting.per_point("episode_return")  # [points, seeds, updates]
+        for p in range(len(sweep.points)):
+            seen = np.any(np.isfinite(returns[p]), axis=0)
+            if not np.any(seen):
+                continue
+            ax.plot(steps[seen], np.nanmean(returns[p][:, seen], 0), color=colors[p], lw=1.2, label=sweep.labels[p])
+            ax.fill_between(steps[seen], np.nanmin(returns[p][:, seen], 0), np.nanmax(returns[p][:, seen], 0),
+                            color=colors[p], alpha=0.12)
+        ax.set(xlabel="environment steps (per agent)", ylabel="episode return", title=setting_name(i, setting.config))
+        ax.grid(alpha=0.3)
+        if len(sweep.points) <= 12:
+            ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=110)
+    plt.close(fig)
+
+    for name in sweep.swept:
+        fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.8), squeeze=False)
+        for ax, (i, setting) in zip(axes[0], enumerate(settings)):
+            values = np.array([float(getattr(h, name)) for h in sweep.hparams(setting.config)])
+            final = setting.final()
+            ax.errorbar(values, np.nanmean(final, 1), yerr=np.nanstd(final, 1), fmt="o", capsize=3, alpha=0.8)
+            finite = values[np.isfinite(values)]
+            if finite.size and finite.min() > 0 and finite.max() / finite.min() >= 10:
+                ax.set_xscale("log")
+            ax.set(xlabel=name, ylabel="final return (mean ± std over seeds)", title=setting_name(i, setting.config))
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
+        plt.close(fig)
+
+
+def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> str:
+    """After each static setting: append its rows to results.csv, rewrite the summaries and plots."""
+    with warnings.catch_warnings():  # nan-means of points where no episode ended are NaN, as they should be
+        warnings.simplefilter("ignore", RuntimeWarning)
+        append_results_csv(os.path.join(run_dir, "results.csv"), sweep, len(settings) - 1, settings[-1])
+        rows, text = summarize_sweep(sweep, settings)
+        plot_sweep(run_dir, sweep, settings)
+    with open(os.path.join(run_dir, "summary.csv"), "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    return text
+
+
+class Progress:
+    """One line over all agents of all static settings: a bar, elapsed time and ETA."""
+
+    def __init__(self, total_agents: int):
+        self.total, self.done, self.start = total_agents, 0, time.perf_counter()
+
+    def show(self, message: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+        bar = "#" * round(30 * self.done / self.total)
+        minutes = lambda t: "?" if t != t else f"{int(t // 60)}m{int(t % 60):02d}s"  # noqa: E731
+        print(f"[{bar:<30}] {self.done}/{self.total} agents  elapsed {minutes(elapsed)}  ETA {minutes(eta)}  "
+              f"{message}", flush=True)
+
+
+def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0) -> list[SweepSetting]:
+    """Each static setting: one compile, all points x seeds as one batch; outputs written as each
+    setting finishes, so an interrupted sweep keeps what it has."""
+    total = sum(len(sweep.points) * config.num_seeds for config in sweep.configs)
+    progress, settings = Progress(total), []
+    for i, config in enumerate(sweep.configs):
+        keys = np.tile(np.asarray(seed_keys(config)), (len(sweep.points), 1))  # point-major: [p * S + s]
+        hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
+        done_before = progress.done
+        progress.show(f"setting {setting_name(i, config)}: compiling")
+
+        def report(done, config=config, i=i, done_before=done_before):
+            progress.done = done_before + done
+            progress.show(f"setting {setting_name(i, config)}")
+
+        result = run_batch(config, keys, hparams, chunk_size, report)
+        random_return = random_policy_return(config) if sweep.normalized_score else None
+        settings.append(SweepSetting(config, result, random_return))
+        if jax.process_index() == 0:
+            text = write_sweep_outputs(run_dir, sweep, settings)
+    if jax.process_index() == 0:
+        print(text)
+    return settings
+
+
 # ================================================================================================
 # 8. CLI
 # ================================================================================================
@@ -1047,18 +1567,63 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     return tyro.cli(Config, args=argv, default=default_config(env_id), description=__doc__.split("\n\n")[0])
 
 
-def main(argv: Sequence[str] | None = None) -> RunResult:
+def command_line_overrides(argv: Sequence[str], config: Config) -> dict[str, Any]:
+    """The fields that flags set explicitly, with their parsed values (they win over sweep specs)."""
+    overrides = {}
+    for token in argv:
+        if not token.startswith("--"):
+            continue
+        name = token[2:].split("=")[0].replace("-", "_")
+        if name.startswith("no_") and name[3:] in STATIC_FIELDS | HPARAM_FIELDS:
+            name = name[3:]
+        if name in HPARAM_FIELDS:
+            overrides[name] = getattr(config.hparams, name)
+        elif name in STATIC_FIELDS - RUN_FIELDS:
+            overrides[name] = getattr(config, name)
+    return overrides
+
+
+def fail(error: ConfigError):
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: Sequence[str] | None = None):
+    """The CLI: a single run (returns its RunResult) or, with --sweep/--sweep-set, a sweep (returns
+    its list of SweepSetting)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     config = parse_config(argv)
+    if config.distributed:
+        jax.distributed.initialize()  # before anything touches a device
     try:
-        validate(config)
+        if config.sweep or config.sweep_set:
+            sweep = load_sweep(config, command_line_overrides(argv, config))
+        else:
+            validate(config)
+        if config.run_dir is not None and os.path.exists(config.run_dir):
+            raise ConfigError(f"--run-dir {config.run_dir} already exists: pick a new directory (nothing is overwritten)")
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2)
-    run_dir = new_run_dir(config)
+        fail(error)
+    writer = jax.process_index() == 0
+
+    if config.sweep or config.sweep_set:
+        run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}") if writer else None
+        agents = len(sweep.points) * sum(c.num_seeds for c in sweep.configs)
+        print(f"ppo_jax sweep {sweep.name!r}: {len(sweep.configs)} static setting(s) x {len(sweep.points)} point(s) "
+              f"x seeds = {agents} agents, sharded over {jax.device_count()} {jax.devices()[0].platform} device(s)")
+        if writer:
+            with open(os.path.join(run_dir, "sweep.toml"), "w") as f:
+                f.write(resolved_sweep_toml(sweep, config.sweep or "--sweep-set"))
+        settings = run_sweep(sweep, run_dir, config.sweep_chunk)
+        print(f"outputs: {run_dir}/")
+        return settings
+
+    run_dir = new_run_dir(config.run_dir, config.env) if writer else None
     print(f"ppo_jax: {config.env}, {config.num_seeds} seed(s) x {config.num_updates} updates x "
           f"{config.batch_size} steps ({config.num_envs} envs x {config.num_steps}) on {jax.devices()[0]}")
     result = run(config)
-    write_outputs(run_dir, config, result)
+    if writer:
+        write_outputs(run_dir, config, result)
     if config.table_rows:
         print(format_table(result.metrics, config.table_rows))
     finals = final_return(result.metrics)

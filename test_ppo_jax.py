@@ -9,6 +9,9 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
+import tomllib
 
 import chex
 import jax
@@ -529,3 +532,167 @@ def test_learns_cartpole_with_ppo_penalty_adaptive_kl():
     assert np.all(finals >= 475), finals
     assert np.all(np.median(result.metrics["kl_coef"], axis=1) > 1e-2)  # the penalty was in play
     assert np.all(np.abs(np.log(np.median(result.metrics["kl"], axis=1) / 0.01)) < np.log(3))
+
+
+# ------------------------------------------------------------------------------------------------
+# Sweeps
+# ------------------------------------------------------------------------------------------------
+
+SWEEP_BASE = dict(total_timesteps=4 * 32 * 3, num_steps=32, hidden_sizes=[16], update_epochs=2, num_seeds=2)
+
+
+def resolve(spec, cli_argv=()):
+    cli = P.parse_config(list(cli_argv))
+    return P.resolve_sweep(spec, "test", "", cli, P.command_line_overrides(list(cli_argv), cli))
+
+
+def test_grid_and_random_specs_expand_as_written():
+    sweep = resolve({"base": SWEEP_BASE, "grid": [{"lr": [1e-4, 1e-3], "clip_eps": [0.1, 0.2, 0.3]},
+                                                  {"clip_eps": [0.0], "kl_coef": [1.0]}, {}]})
+    assert len(sweep.points) == 2 * 3 + 1 + 1
+    assert sweep.points[:3] == [{"lr": 1e-4, "clip_eps": 0.1}, {"lr": 1e-4, "clip_eps": 0.2},
+                                {"lr": 1e-4, "clip_eps": 0.3}]
+    assert sweep.labels[6] == "clip_eps=0, kl_coef=1" and sweep.labels[7] == "base"
+    assert sweep.swept == ["clip_eps", "kl_coef", "lr"]
+    assert sweep.configs[0].total_timesteps == SWEEP_BASE["total_timesteps"]
+    # Random search: the count, the ranges, the choices, and the same draws for the same seed.
+    spec = {"random": {"count": 50, "seed": 3, "lr": {"log_uniform": [1e-5, 1e-2]},
+                       "gae_lambda": {"uniform": [0.8, 1.0]}, "norm_adv": {"choice": [True, False]}}}
+    first, second = resolve(spec), resolve(spec)
+    assert first.points == second.points and len(first.points) == 50
+    lrs = np.array([p["lr"] for p in first.points])
+    assert lrs.min() >= 1e-5 and lrs.max() <= 1e-2 and np.median(np.log10(lrs)) == pytest.approx(-3.5, abs=0.5)
+    assert all(0.8 <= p["gae_lambda"] <= 1.0 for p in first.points)
+    assert {p["norm_adv"] for p in first.points} == {True, False}
+    # Grid x random: every grid point with every random draw.
+    both = resolve({"grid": {"clip_eps": [0.1, 0.2]}, "random": {"count": 3, "lr": {"uniform": [1e-4, 1e-3]}}})
+    assert len(both.points) == 6 and both.points[0]["clip_eps"] == 0.1 and both.points[3]["clip_eps"] == 0.2
+
+
+def test_static_settings_take_env_defaults_and_command_line_wins():
+    spec = {"base": {"total_timesteps": 8192}, "static": [{"env": "CartPole-v1"}, {"env": "Pendulum-v1"}],
+            "grid": {"clip_eps": [0.1, 0.2]}}
+    sweep = resolve(spec, ["--num-seeds", "3", "--lr", "5e-4"])
+    cartpole, pendulum = sweep.configs
+    assert (cartpole.num_envs, pendulum.num_envs) == (4, 16)  # each env's own defaults
+    assert pendulum.hparams.gamma == 0.95 and cartpole.hparams.gamma == 0.99
+    assert cartpole.num_seeds == pendulum.num_seeds == 3 and pendulum.hparams.lr == 5e-4
+    assert [h.clip_eps for h in sweep.hparams(pendulum)] == [0.1, 0.2]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"grid": {"lrr": [1e-3]}}, ["'lrr'", "HParams"]),
+    ({"grid": {"lr": 1e-3}}, ["lr", "list"]),
+    ({"grid": {"lr": [-1.0]}}, ["--lr", "> 0"]),
+    ({"grid": {"norm_adv": [1]}}, ["norm_adv", "type"]),
+    ({"base": {"num_envz": 4}}, ["[base]", "'num_envz'"]),
+    ({"static": [{"env": "CartPole-v9"}]}, ["CartPole-v1"]),
+    ({"static": [{"num_minibatches": 3}]}, ["--num-minibatches", "divide"]),
+    ({"grids": {}}, ["top-level", "'grids'"]),
+    ({"random": {"lr": {"log_uniform": [1e-3, 1e-2]}}}, ["count"]),
+    ({"random": {"count": 2, "lr": {"log_uniform": [0, 1e-2]}}}, ["lr.log_uniform", "lo > 0"]),
+    ({"random": {"count": 2, "lr": {"normal": [0, 1]}}}, ["lr", "log_uniform"]),
+    ({"grid": {"lr": [1e-3]}, "random": {"count": 2, "lr": {"uniform": [1e-4, 1e-3]}}}, ["both"]),
+])
+def test_bad_sweep_specs_name_the_key(spec, words):
+    with pytest.raises(P.ConfigError) as error:
+        resolve(spec)
+    for word in words:
+        assert word in str(error.value), (word, str(error.value))
+
+
+def test_sweep_points_equal_single_runs_and_chunks_equal_one_batch():
+    sweep = resolve({"base": SWEEP_BASE, "grid": {"lr": [3e-4, 3e-3], "clip_eps": [0.1, 0.3]}})
+    config = sweep.configs[0]
+    keys = np.tile(np.asarray(P.seed_keys(config)), (len(sweep.points), 1))
+    hparams = P.stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
+    whole = P.run_batch(config, keys, hparams)
+    chunked = P.run_batch(config, keys, hparams, chunk_size=3)  # 3 chunks of 3 for 8 agents, padded
+    train = jax.jit(P.make_train(config))
+    for p, point_hparams in enumerate(sweep.hparams(config)):
+        for s, key in enumerate(P.seed_keys(config)):
+            _, single = train(key, point_hparams)
+            for name, value in single.items():
+                np.testing.assert_allclose(whole.metrics[name][p * config.num_seeds + s], value,
+                                           rtol=1e-5, atol=1e-6, err_msg=f"{name} point {p} seed {s}")
+    for name in whole.metrics:
+        np.testing.assert_allclose(whole.metrics[name], chunked.metrics[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+SHARDED_SCRIPT = """
+import sys, numpy as np, jax
+import ppo_jax as P
+import test_ppo_jax as T
+assert jax.device_count() == 8, jax.devices()
+sweep = T.resolve({"base": T.SWEEP_BASE, "grid": {"lr": [3e-4, 1e-3, 3e-3], "clip_eps": [0.1, 0.3]}})
+config = sweep.configs[0]
+keys = np.tile(np.asarray(P.seed_keys(config)), (len(sweep.points), 1))
+hparams = P.stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
+result = P.run_batch(config, keys, hparams)
+assert result.num_devices == 8
+np.savez(sys.argv[1], **result.metrics)
+"""
+
+
+def test_sweep_sharded_over_eight_devices_equals_one_device(tmp_path):
+    out = tmp_path / "sharded.npz"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    done = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, str(out)], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = resolve({"base": SWEEP_BASE, "grid": {"lr": [3e-4, 1e-3, 3e-3], "clip_eps": [0.1, 0.3]}})
+    config = sweep.configs[0]
+    keys = np.tile(np.asarray(P.seed_keys(config)), (len(sweep.points), 1))
+    hparams = P.stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
+    local = P.run_batch(config, keys, hparams)
+    sharded = np.load(out)
+    assert sharded["policy_loss"].shape == (12, config.num_updates)  # the padding to 16 was dropped
+    for name, value in local.metrics.items():
+        np.testing.assert_allclose(sharded[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_sweep_end_to_end_writes_every_output_and_reruns_from_its_resolved_spec(tmp_path, capsys):
+    spec = tmp_path / "tiny.toml"
+    spec.write_text("""# a tiny sweep
+name = "tiny"
+normalized_score = true
+[base]
+total_timesteps = 384
+num_steps = 32
+hidden_sizes = [16]
+update_epochs = 2
+[[grid]]
+lr = [3e-4, 3e-3]
+[[grid]]
+clip_eps = [0.0]
+kl_coef = [1.0]
+kl_target = [0.01]
+""")
+    run_dir = tmp_path / "out"
+    settings = P.main(["--sweep", str(spec), "--num-seeds", "2", "--run-dir", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "normalised score" in out and "agents" in out and "ETA" in out
+    assert sorted(os.listdir(run_dir)) == ["curves.png", "final_vs_clip_eps.png", "final_vs_kl_coef.png",
+                                           "final_vs_kl_target.png", "final_vs_lr.png", "results.csv",
+                                           "summary.csv", "sweep.toml"]
+    rows = (run_dir / "results.csv").read_text().splitlines()
+    assert len(rows) == 1 + 3 * 2 and "final_return" in rows[0] and "auc" in rows[0]
+    summary = (run_dir / "summary.csv").read_text().splitlines()
+    assert len(summary) == 1 + 3 and summary[0].startswith("static,env,point,label,")
+    # The resolved spec runs the same configs and points again.
+    again = resolve(tomllib.loads((run_dir / "sweep.toml").read_text()))
+    original = resolve(tomllib.loads(spec.read_text()), ["--num-seeds", "2"])
+    assert again.configs == original.configs == [setting.config for setting in settings]
+    assert again.hparams(again.configs[0]) == original.hparams(original.configs[0])
+    assert len(again.points) == 3
+
+
+def test_sweep_set_flags(tmp_path):
+    cli = ["--env", "Acrobot-v1", "--sweep-set", "lr=1e-4,3e-4,1e-3", "--sweep-set", "clip_eps=0.1,0.2,0.3"]
+    config = P.parse_config(cli)
+    sweep = P.load_sweep(config, P.command_line_overrides(cli, config))
+    assert len(sweep.points) == 9 and sweep.configs[0].env == "Acrobot-v1"
+    assert sweep.points[-1] == {"lr": 1e-3, "clip_eps": 0.3}
+    with pytest.raises(SystemExit):
+        P.main(["--sweep-set", "lr=fast"])
