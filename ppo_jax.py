@@ -1136,6 +1136,8 @@ def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, 
         if overlap:
             raise ConfigError(f"{where}: {sorted(overlap)} appear in both [grid] and [random]")
         points = [{**point, **sample} for point in (points or [{}]) for sample in randoms]
+    if not points:
+        raise ConfigError(f"{where}: no points to run: give at least one [[grid]] (an empty one is the base point)")
     swept = [k for k in HPARAM_FIELDS if len({format_value(p.get(k, "-")) for p in points}) > 1]
     swept.sort(key=lambda k: [f.name for f in dataclasses.fields(HParams)].index(k))
     labels = [", ".join(f"{k}={format_value(v)}" for k, v in point.items()) or "base" for point in points]

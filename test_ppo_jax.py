@@ -593,6 +593,7 @@ def test_static_settings_take_env_defaults_and_command_line_wins():
     ({"random": {"count": 2, "lr": {"log_uniform": [0, 1e-2]}}}, ["lr.log_uniform", "lo > 0"]),
     ({"random": {"count": 2, "lr": {"normal": [0, 1]}}}, ["lr", "log_uniform"]),
     ({"grid": {"lr": [1e-3]}, "random": {"count": 2, "lr": {"uniform": [1e-4, 1e-3]}}}, ["both"]),
+    ({"grid": []}, ["no points"]),
 ])
 def test_bad_sweep_specs_name_the_key(spec, words):
     with pytest.raises(P.ConfigError) as error:
