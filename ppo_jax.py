@@ -1286,25 +1286,39 @@ def write_metrics_csv(path: str, metrics: dict[str, np.ndarray]) -> None:
                 writer.writerow([seed, update + 1] + [f"{v:.8g}" if isinstance(v, float | np.floating) else v for v in row])
 
 
+def plot_seeds(ax, steps, returns, label: str, color=None) -> None:
+    """One curve from returns [seeds, updates]: each seed smoothed by a moving average over ~2 % of
+    the updates (NaN-aware: updates where no episode ended are left out), then the mean over seeds,
+    shaded from the lowest to the highest seed."""
+    window = max(1, returns.shape[1] // 50)
+    kernel = np.ones(window)
+    finite = np.isfinite(returns)
+    convolve = lambda rows: np.stack([np.convolve(row, kernel, "same") for row in rows])  # noqa: E731
+    with np.errstate(invalid="ignore"):
+        smoothed = convolve(np.where(finite, returns, 0.0)) / convolve(finite.astype(float))
+    seen = np.any(np.isfinite(smoothed), axis=0)
+    if not np.any(seen):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ax.plot(steps[seen], np.nanmean(smoothed[:, seen], 0), color=color, lw=1.3, label=label)
+        if returns.shape[0] > 1:
+            ax.fill_between(steps[seen], np.nanmin(smoothed[:, seen], 0), np.nanmax(smoothed[:, seen], 0), color=color,
+                            alpha=0.15)
+
+
 def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:
-    """Return vs env steps: mean over seeds, shaded min..max spread; updates where no episode
-    ended in any seed are skipped."""
+    """Return vs env steps: mean over seeds, shaded min..max over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = metrics["env_steps"][0]
-    returns = metrics["episode_return"]
-    seen = np.any(np.isfinite(returns), axis=0)
     fig, ax = plt.subplots(figsize=(7, 4))
-    if np.any(seen):
-        mean = np.nanmean(returns[:, seen], axis=0)
-        ax.plot(steps[seen], mean, label=f"mean of {returns.shape[0]} seed(s)")
-        if returns.shape[0] > 1:
-            ax.fill_between(steps[seen], np.nanmin(returns[:, seen], 0), np.nanmax(returns[:, seen], 0), alpha=0.25,
-                            label="min-max over seeds")
-    ax.set(xlabel="environment steps (per seed)", ylabel="episode return", title=title)
+    returns = metrics["episode_return"]
+    seeds = returns.shape[0]
+    plot_seeds(ax, metrics["env_steps"][0], returns, f"mean of {seeds} seeds, shaded min-max" if seeds > 1 else "1 seed")
+    ax.set(xlabel="environment steps (per seed)", ylabel="episode return (smoothed)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -1472,13 +1486,9 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
         steps = setting.result.metrics["env_steps"][0]
         returns = setting.per_point("episode_return")  # [points, seeds, updates]
         for p in range(len(sweep.points)):
-            seen = np.any(np.isfinite(returns[p]), axis=0)
-            if not np.any(seen):
-                continue
-            ax.plot(steps[seen], np.nanmean(returns[p][:, seen], 0), color=colors[p], lw=1.2, label=sweep.labels[p])
-            ax.fill_between(steps[seen], np.nanmin(returns[p][:, seen], 0), np.nanmax(returns[p][:, seen], 0),
-                            color=colors[p], alpha=0.12)
-        ax.set(xlabel="environment steps (per agent)", ylabel="episode return", title=setting_name(i, setting.config))
+            plot_seeds(ax, steps, returns[p], sweep.labels[p], colors[p])
+        ax.set(xlabel="environment steps (per agent)", ylabel="episode return (smoothed)",
+               title=setting_name(i, setting.config))
         ax.grid(alpha=0.3)
         if len(sweep.points) <= 12:
             ax.legend(fontsize=7, loc="lower right")
