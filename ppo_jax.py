@@ -41,23 +41,26 @@ import tomllib
 import warnings
 from typing import Annotated, Any, Literal, Sequence
 
-import flax
-import flax.linen as nn
-import flax.traverse_util
-import gymnax
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-import tyro
-from flax import serialization, struct
-from gymnax.environments import spaces
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Run CPU programs in the calling thread: a whole run is one call, so asynchronous dispatch buys
-# nothing, and handing long programs to jax's CPU thread pool sometimes never returned on this
-# 2-core machine (see run_batch). Takes effect if set before the CPU backend starts.
+# nothing, and long programs handed to jax's CPU thread pool sometimes never returned on this 2-core
+# machine (every thread idle, block_until_ready waiting forever). It takes effect only if set before
+# the CPU backend starts, and importing gymnax starts it: hence here, above the other imports.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+import flax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import flax.traverse_util  # noqa: E402
+import gymnax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import tyro  # noqa: E402
+from flax import serialization, struct  # noqa: E402
+from gymnax.environments import spaces  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
 
 # ================================================================================================
 # 1. Config and HParams
