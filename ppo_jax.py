@@ -380,6 +380,30 @@ class DiagGaussian:
         return jnp.sum(other.log_std - self.log_std + 0.5 * (variance_ratio + mahalanobis - 1.0), axis=-1)
 
 
+def orthogonal(scale: float):
+    """Orthogonal init (Saxe et al., 2014), as flax's `orthogonal` but without LAPACK: the Q of a
+    Gaussian matrix's QR (diagonal of R positive) by Gram-Schmidt, each column projected twice. Why:
+    vmapped over stacked agents, flax's batched LAPACK QR deadlocked XLA's 2-thread CPU pool here
+    (both threads waiting on sub-tasks queued behind them), now and then, in long sweeps."""
+
+    def init(key, shape, dtype=jnp.float32):
+        rows, cols = math.prod(shape[:-1]), shape[-1]
+        tall = (rows, cols) if rows >= cols else (cols, rows)
+        columns = jax.random.normal(key, tall, dtype)
+
+        def orthonormalise(j, q):
+            earlier = (jnp.arange(tall[1]) < j).astype(dtype)  # columns already orthonormal
+            v = q[:, j]
+            v = v - q @ (earlier * (q.T @ v))
+            v = v - q @ (earlier * (q.T @ v))  # twice: orthogonal to float precision
+            return q.at[:, j].set(v / jnp.linalg.norm(v))
+
+        q = jax.lax.fori_loop(0, tall[1], orthonormalise, columns)
+        return scale * (q if rows >= cols else q.T).reshape(shape)
+
+    return init
+
+
 class ActorCritic(nn.Module):
     """Actor and critic MLPs (separate, or one shared trunk). Orthogonal init: sqrt(2) on hidden
     layers, 0.01 on the policy head (a near-uniform initial policy), 1.0 on the value head, zero
@@ -397,7 +421,7 @@ class ActorCritic(nn.Module):
         activation = {"tanh": nn.tanh, "relu": nn.relu}[self.activation]
 
         def dense(width, scale, name):
-            init = nn.initializers.orthogonal(scale) if self.orthogonal_init else nn.initializers.lecun_normal()
+            init = orthogonal(scale) if self.orthogonal_init else nn.initializers.lecun_normal()
             return nn.Dense(width, kernel_init=init, name=name)
 
         def trunk(x, name):

@@ -132,6 +132,23 @@ def test_diag_gaussian_log_prob_and_entropy_match_scipy():
     np.testing.assert_allclose(dist.entropy(), np.full(6, expected_entropy), rtol=1e-5)
 
 
+def test_orthogonal_init_matches_flax_without_lapack():
+    import flax.linen as nn
+
+    key = jax.random.PRNGKey(3)
+    for shape, scale in (((4, 64), 2**0.5), ((64, 64), 2**0.5), ((64, 2), 0.01), ((3, 64), 1.0)):
+        ours = P.orthogonal(scale)(key, shape)
+        np.testing.assert_allclose(ours, nn.initializers.orthogonal(scale)(key, shape), atol=2e-6)
+        small = min(shape)
+        gram = ours.T @ ours if shape[0] >= shape[1] else ours @ ours.T
+        np.testing.assert_allclose(gram, scale**2 * np.eye(small), atol=2e-6)
+    # No LAPACK call in the program: batched LAPACK QR deadlocked XLA's CPU pool under vmap here.
+    config = tiny_config()
+    hlo = jax.jit(jax.vmap(P.make_train(config))).lower(
+        P.seed_keys(dataclasses.replace(config, num_seeds=3)), P.stack_hparams([config.hparams] * 3)).as_text()
+    assert "lapack" not in hlo.lower()
+
+
 def test_explained_variance_and_learning_rate_schedule():
     targets = jnp.array([1.0, 2.0, 3.0, 4.0])
     assert float(P.explained_variance(targets, targets)) == 1.0
