@@ -987,9 +987,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, progr
 
     train = jax.vmap(make_train(config))
     if num_devices == 1:
-        # One device: a plain jit, executed inline in this thread. (The sharded path below, on one
-        # CPU device, is dispatched to jax's CPU thread pool, where long programs sometimes never
-        # completed on this 2-core machine: every thread idle, block_until_ready waiting forever.)
+        # One device (the usual CPU case): a plain jit of numpy inputs, no sharding machinery.
         train = jax.jit(train)
         chunk_inputs = lambda i: jax.tree.map(lambda x: x[i * chunk:(i + 1) * chunk], (keys, hparams))  # noqa: E731
     else:
