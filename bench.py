@@ -1,13 +1,21 @@
 """Benchmarks for ppo_jax: figures to report, never asserted (shared machines are noisy).
 
-    python bench.py            # every benchmark, a few minutes on 2 CPU cores
-    python bench.py --quick    # shorter runs, about a minute
+    python bench.py            # every config, about 15 minutes on 2 CPU cores
+    python bench.py --quick    # shorter runs of the two CartPole headline configs, about 2 minutes
+    python bench.py --configs cartpole_classic cartpole_512envs   # some of them
 
-Prints a table per benchmark and writes bench.json (the figures, the machine, the versions).
+Prints a table and writes bench.json (the figures, the machine, the versions). Each config runs in
+its own fresh process, so its compile is cold and its peak RSS its own. For each config:
 
-Stacked agents: N CartPole-v1 agents (the classic config, different seeds) as one vmapped program,
-against the same N agents run one after another, each compiled on its own (what a plain loop over
-`python ppo_jax.py` costs) or sharing one compiled program (a Python loop over seeds).
+- lower / compile seconds (cold; and, for the classic config, warm from the persistent
+  compilation cache that `python ppo_jax.py` keeps), run seconds and env steps/s (median of >= 3
+  runs of the compiled program after a warm-up run);
+- two references measured in the same process, on the same env and number of envs: the env alone
+  (random actions, vmapped, scanned) and env + actor-critic forward + sampling. PPO / (env+fwd) is
+  the headline: how close the whole algorithm gets to just acting;
+- achieved FLOP/s: the network's dense-layer FLOPs per env step (rollout forward, the next-value and
+  KL passes, and update_epochs x forward+backward, counted as 3 forwards) x env steps/s, against a
+  measured matmul peak of this machine (1024 x 1024 float32 matmuls).
 """
 
 import argparse
@@ -15,49 +23,177 @@ import dataclasses
 import json
 import os
 import platform
+import resource
+import subprocess
+import sys
+import tempfile
 import time
 
-import jax
 import numpy as np
 
-import ppo_jax as P
+CONFIGS = {  # name -> (Config overrides, total steps per agent, quick steps, agents)
+    "cartpole_classic": (dict(env="CartPole-v1"), 500_000, 131_072, 1),
+    "cartpole_64envs": (dict(env="CartPole-v1", num_envs=64), 1_048_576, 524_288, 1),
+    "cartpole_512envs": (dict(env="CartPole-v1", num_envs=512), 2_097_152, 524_288, 1),
+    "pendulum": (dict(env="Pendulum-v1"), 262_144, 65_536, 1),
+    "cartpole_8_agents": (dict(env="CartPole-v1"), 262_144, 65_536, 8),
+    "cartpole_64_agents": (dict(env="CartPole-v1"), 65_536, 16_384, 64),
+}
+QUICK = ("cartpole_classic", "cartpole_512envs")
 
 
-def stacked_agents(agent_counts, steps_per_agent):
-    """Agent-steps/s of N stacked agents in one program vs N sequential runs."""
-    config = dataclasses.replace(P.default_config("CartPole-v1"), total_timesteps=steps_per_agent, table_rows=0)
-    rows = []
-    single = None
-    for count in agent_counts:
-        config_n = dataclasses.replace(config, num_seeds=count)
-        result = P.run(config_n)
-        compile_seconds = result.lower_seconds + result.compile_seconds
-        steps = config_n.num_updates * config_n.batch_size * count
-        if single is None:  # count == 1 first: the sequential baseline
-            single = (compile_seconds, result.run_seconds)
-        rows.append({
-            "agents": count,
-            "compile_s": round(compile_seconds, 2),
-            "run_s": round(result.run_seconds, 2),
-            "agent_steps_per_s": round(steps / result.run_seconds),
-            "stacked_total_s": round(compile_seconds + result.run_seconds, 2),
-            "sequential_recompiling_s": round(count * sum(single), 2),
-            "sequential_one_compile_s": round(single[0] + count * single[1], 2),
-        })
-        rows[-1]["speedup_vs_recompiling"] = round(rows[-1]["sequential_recompiling_s"] / rows[-1]["stacked_total_s"], 1)
-        rows[-1]["speedup_vs_one_compile"] = round(rows[-1]["sequential_one_compile_s"] / rows[-1]["stacked_total_s"], 1)
-        print_row(rows[-1], first=len(rows) == 1)
-    return {"config": "CartPole-v1 classic (4 envs x 128 steps, 4 epochs x 4 minibatches, 64-64 tanh)",
-            "steps_per_agent": config.num_updates * config.batch_size, "rows": rows}
+def timed(fn, *args, repeats=3):
+    """Median wall seconds of fn(*args) over `repeats` runs after one warm-up run."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
-def print_row(row, first):
-    if first:
-        print("  ".join(f"{k:>24}" if i else f"{k:>8}" for i, k in enumerate(row)))
-    print("  ".join(f"{v:>24}" if i else f"{v:>8}" for i, v in enumerate(row.values())), flush=True)
+def references(env_id: str, num_envs: int, steps: int, repeats: int):
+    """Env steps/s of (the env alone, env + actor-critic forward + sampling) with gymnax's own
+    auto-resetting step, random keys split per step, as a plain scan would do it."""
+    import jax
+
+    import ppo_jax as P
+
+    env = P.VecEnv(env_id, num_envs)
+    network = P.ActorCritic(env.action_dim, env.discrete)
+    num_steps = max(1, steps // num_envs)
+
+    def make(with_network: bool):
+        def rollout(key):
+            reset_key, init_key, key = jax.random.split(key, 3)
+            obs, state = jax.vmap(env.env.reset, in_axes=(0, None))(jax.random.split(reset_key, num_envs), env.env_params)
+            params = network.init(init_key, env._flat(obs))
+
+            def step(carry, _):
+                obs, state, key = carry
+                key, action_key, step_key = jax.random.split(key, 3)
+                if with_network:
+                    dist, _ = network.apply(params, env._flat(obs))
+                    action = dist.sample(action_key)
+                else:
+                    space = env.env.action_space(env.env_params)
+                    action = jax.vmap(space.sample)(jax.random.split(action_key, num_envs))
+                if not env.discrete:
+                    action = action.reshape(num_envs, *env.action_shape)
+                obs, state, reward, _, _, _ = jax.vmap(env.env.step, in_axes=(0, 0, 0, None))(
+                    jax.random.split(step_key, num_envs), state, action, env.env_params)
+                return (obs, state, key), reward.sum()
+
+            _, rewards = jax.lax.scan(step, (obs, state, key), None, length=num_steps)
+            return rewards.sum()
+
+        return jax.jit(rollout).lower(jax.random.PRNGKey(0)).compile()
+
+    env_only = num_steps * num_envs / timed(make(False), jax.random.PRNGKey(1), repeats=repeats)
+    env_forward = num_steps * num_envs / timed(make(True), jax.random.PRNGKey(1), repeats=repeats)
+    return env_only, env_forward
+
+
+def matmul_peak(repeats: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    n, k = 1024, 10
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)).astype(np.float32)) / n
+    fn = jax.jit(lambda a: jax.lax.fori_loop(0, k, lambda i, x: x @ a, a)).lower(a).compile()
+    return 2 * n**3 * k / timed(fn, a, repeats=repeats)
+
+
+def network_flops_per_step(config, env) -> float:
+    """Dense-layer FLOPs of the actor-critic per env step, over the whole algorithm."""
+    import jax
+
+    import ppo_jax as P
+
+    network = P.make_network(config, env)
+    params = jax.eval_shape(network.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, env.obs_dim), np.float32))
+    kernels = [x for path, x in jax.tree_util.tree_leaves_with_path(params) if "kernel" in str(path[-1])]
+    forward = sum(2 * int(np.prod(k.shape)) for k in kernels)  # per sample
+    # rollout forward + next-value pass + post-update KL pass + epochs x (forward + backward = 3 forwards)
+    return forward * (3 + 3 * config.update_epochs)
+
+
+def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None) -> dict:
+    """Runs in its own process: measure one config."""
+    import jax
+
+    import ppo_jax as P
+
+    overrides, steps, quick_steps, agents = CONFIGS[name]
+    config = dataclasses.replace(P.default_config(overrides["env"]), **overrides, num_seeds=agents, table_rows=0,
+                                 total_timesteps=quick_steps if quick else steps)
+    P.validate(config, check_run_dir=False)
+    keys = P.seed_keys(config)
+    hparams = P.stack_hparams([config.hparams] * agents)
+    result = P.run_batch(config, keys, hparams)  # lower + cold compile + one run
+    row = {
+        "config": name,
+        "env": config.env,
+        "agents": agents,
+        "envs": config.num_envs,
+        "steps_per_agent": config.num_updates * config.batch_size,
+        "lower_s": round(result.lower_seconds, 2),
+        "compile_s": round(result.compile_seconds, 2),
+        "final_return": round(float(np.nanmean(P.final_return(result.metrics))), 1),
+    }
+    # The same compiled program again, timed: what run_batch compiled, rebuilt exactly as it does.
+    single = P.make_train(config)
+    if agents == 1:
+        fn = jax.jit(lambda key, h: single(key, h)).lower(keys[0], config.hparams).compile()
+        args = (keys[0], config.hparams)
+    else:
+        fn = jax.jit(jax.vmap(single, in_axes=(0, None))).lower(keys, config.hparams).compile()
+        args = (keys, config.hparams)
+    run_seconds = timed(fn, *args, repeats=repeats)
+    steps_per_s = row["steps_per_agent"] * agents / run_seconds
+    env_only, env_forward = references(config.env, config.num_envs * agents, min(row["steps_per_agent"] * agents, 1 << 21),
+                                       repeats)
+    flops = network_flops_per_step(config, P.make_env(config)) * steps_per_s
+    peak = matmul_peak(repeats)
+    row.update({
+        "run_s": round(run_seconds, 2),
+        "env_steps_per_s": round(steps_per_s),
+        "env_only_steps_per_s": round(env_only),
+        "env_forward_steps_per_s": round(env_forward),
+        "ppo_over_env_forward": round(steps_per_s / env_forward, 3),
+        "achieved_gflops": round(flops / 1e9, 1),
+        "peak_gflops": round(peak / 1e9, 1),
+        "achieved_over_peak": round(flops / peak, 3),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    })
+    if cache_dir:  # warm compile: the persistent cache ppo_jax.py keeps (two compiles, the second reads it)
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        for _ in range(2):
+            warm = P.run_batch(dataclasses.replace(config, total_timesteps=config.batch_size), keys, hparams)
+        row["warm_lower_s"] = round(warm.lower_seconds, 2)
+        row["warm_compile_s"] = round(warm.compile_seconds, 2)
+    return row
+
+
+COLUMNS = ("config", "agents", "envs", "lower_s", "compile_s", "run_s", "env_steps_per_s", "env_only_steps_per_s",
+           "env_forward_steps_per_s", "ppo_over_env_forward", "achieved_gflops", "peak_gflops", "achieved_over_peak",
+           "peak_rss_mb", "final_return")
+
+
+def print_table(rows):
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in COLUMNS]
+    print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).rjust(w) for c, w in zip(COLUMNS, widths)))
 
 
 def machine():
+    import jax
+
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -72,21 +208,38 @@ def machine():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter runs (about a minute)")
+    parser.add_argument("--quick", action="store_true", help=f"shorter runs of {', '.join(QUICK)} (about two minutes)")
     parser.add_argument("--out", default="bench.json", help="where to write the figures (default: bench.json)")
+    parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), help="only these configs")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median; default 3)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    results = {"machine": machine()}
-    print(f"machine: {results['machine']}")
-    print("\nstacked agents (CartPole-v1 classic config): one program vs one after another")
-    if args.quick:
-        results["stacked_agents"] = stacked_agents([1, 8, 64], 16_384)
-    else:
-        results["stacked_agents"] = stacked_agents([1, 8, 64, 256], 102_400)
+    if args.one:
+        print(json.dumps(one_config(args.one, args.quick, args.repeats, args.cache_dir)))
+        return
+    names = args.configs or (QUICK if args.quick else list(CONFIGS))
+    results = {"machine": machine(), "quick": args.quick, "configs": []}
+    print(f"machine: {results['machine']}", flush=True)
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for name in names:
+            command = [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats)]
+            command += ["--quick"] if args.quick else []
+            command += ["--cache-dir", cache_dir] if name == "cartpole_classic" else []
+            output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            results["configs"].append(json.loads(output.strip().splitlines()[-1]))
+            print(f"  {name}: {results['configs'][-1]['env_steps_per_s']:,} env steps/s", flush=True)
+    print()
+    print_table(results["configs"])
+    classic = next((r for r in results["configs"] if r["config"] == "cartpole_classic"), None)
+    if classic:
+        print(f"\ncartpole_classic compile: cold {classic['lower_s'] + classic['compile_s']:.1f} s "
+              f"(lower {classic['lower_s']} + compile {classic['compile_s']}), warm from the persistent cache "
+              f"{classic['warm_lower_s'] + classic['warm_compile_s']:.1f} s")
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()

@@ -11,17 +11,21 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import tomllib
 
-import chex
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
-import scipy.stats
-from flax import serialization
+# The CLI's persistent compilation cache goes to a throwaway directory, not ~/.cache (read at import).
+COMPILE_CACHE = os.environ.setdefault("PPO_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="ppo_jax_test_cache_"))
 
-import ppo_jax as P
+import chex  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import scipy.stats  # noqa: E402
+from flax import serialization  # noqa: E402
+
+import ppo_jax as P  # noqa: E402
 
 
 def tiny_config(**overrides) -> P.Config:
@@ -175,9 +179,10 @@ def test_vec_env_episode_accounting_and_final_observation():
     running_return, running_length = np.zeros(3), np.zeros(3, int)
     seen = {"terminated": 0, "truncated": 0}
     for t in range(300):
-        key, action_key, step_key = jax.random.split(key, 3)
+        key, action_key, step_key, reset_key = jax.random.split(key, 4)
         action = jax.random.randint(action_key, (3,), 0, 2)
-        next_obs, state, reward, terminated, truncated, info = step(step_key, state, action)
+        reset = jax.tree.map(lambda x: x[0], env.draw_resets(reset_key, 1))
+        next_obs, state, reward, terminated, truncated, info = step(jax.random.split(step_key, 3), state, action, reset)
         running_return += np.asarray(reward)
         running_length += 1
         for n in range(3):
@@ -186,13 +191,48 @@ def test_vec_env_episode_accounting_and_final_observation():
                 assert float(info["episode_return"][n]) == pytest.approx(running_return[n])
                 assert int(info["episode_length"][n]) == running_length[n]
                 assert running_length[n] == 20 if truncated[n] and not terminated[n] else running_length[n] <= 20
-                # the automatic reset happened: the next observation is a fresh start (|x| <= 0.05)
+                # the automatic reset happened: the next observation is the drawn fresh start (|x| <= 0.05)
+                np.testing.assert_array_equal(next_obs[n], reset[0][n])
                 assert np.all(np.abs(next_obs[n]) <= 0.05)
                 assert not np.array_equal(info["final_observation"][n], next_obs[n])
                 running_return[n], running_length[n] = 0.0, 0
             else:  # no reset: the final observation is the next observation
                 np.testing.assert_array_equal(info["final_observation"][n], next_obs[n])
     assert seen["terminated"] > 5 and seen["truncated"] > 5, seen
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1", "DeepSea-bsuite"])
+def test_vec_env_step_equals_gymnax_step_given_the_same_reset(env_id):
+    """VecEnv resets from states drawn in advance; given gymnax's own reset draw it must reproduce
+    gymnax's auto-resetting step exactly (DeepSea overrides gymnax's step and is stepped through it)."""
+    env = P.VecEnv(env_id, 8, env_params=[] if env_id == "DeepSea-bsuite" else ["max_steps_in_episode=6"])
+    _, state = env.reset(jax.random.PRNGKey(0))
+    gymnax_step = jax.jit(jax.vmap(env.env.step, in_axes=(0, 0, 0, None)))
+
+    @jax.jit
+    def ours(keys, state, action):
+        reset_keys = jax.vmap(lambda k: jax.random.split(k)[1])(keys)  # gymnax's own reset key
+        step_keys = jax.vmap(lambda k: jax.random.split(k)[0])(keys)
+        return env.step(step_keys if not env.own_step else keys, state, action, env._reset(reset_keys))
+
+    ended = 0
+    for t in range(40):
+        keys = jax.random.split(jax.random.PRNGKey(100 + t), 8)
+        action = jax.random.randint(jax.random.PRNGKey(t), (8,), 0, env.action_dim)
+        obs, new_state, reward, terminated, truncated, info = ours(keys, state, action)
+        g_obs, g_state, g_reward, g_terminated, g_truncated, g_info = gymnax_step(keys, state.env_state, action,
+                                                                                  env.env_params)
+        # the same math in another compiled program: equal up to float rounding (FMA contraction)
+        np.testing.assert_allclose(obs, env._flat(g_obs), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(info["final_observation"], env._flat(g_info["final_observation"]), rtol=1e-6,
+                                   atol=1e-6)
+        chex.assert_trees_all_close(new_state.env_state, g_state, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(reward, g_reward, rtol=1e-6)
+        np.testing.assert_array_equal(terminated, g_terminated)
+        np.testing.assert_array_equal(truncated, g_truncated)
+        ended += int((terminated | truncated).sum())
+        state = new_state
+    assert ended > 0
 
 
 def test_rollout_shapes_and_continuous_actions_unclipped():
@@ -213,7 +253,8 @@ def test_ratio_is_exactly_one_on_first_minibatch():
     network, state, _, traj = first_rollout(config, jax.random.PRNGKey(3))
     zeros = jnp.zeros_like(traj.value)
     batch = P.make_batch(traj, zeros, zeros)
-    first = jax.tree.map(lambda x: x[0], P.shuffle_into_minibatches(jax.random.PRNGKey(4), batch, 4))
+    permutation = jax.random.permutation(jax.random.PRNGKey(4), config.batch_size)
+    first = jax.tree.map(lambda x: x[0], P.shuffle_into_minibatches(permutation, batch, 4))
     chex.assert_shape(first.obs, (config.minibatch_size, 4))
     dist, _ = network.apply(state.params, first.obs)  # the first gradient step's params
     ratio = jnp.exp(dist.log_prob(first.action) - first.log_prob)
@@ -473,6 +514,8 @@ def test_cli_tiny_run_writes_every_output(tmp_path, capsys):
     params = serialization.msgpack_restore((run_dir / "params.msgpack").read_bytes())
     assert params["params"]["params"]["actor_0"]["kernel"].shape == (2, 4, 8)  # [seeds, obs_dim, width]
     assert params["obs_stats"]["mean"].shape == (2, 4)
+    # The compiled program went to the persistent cache (here a temporary directory, see the top).
+    assert config["compile_cache"] == COMPILE_CACHE and os.listdir(COMPILE_CACHE)
     # The run directory is never reused.
     with pytest.raises(SystemExit) as exit_info:
         P.main(["--total-timesteps", "1024", "--run-dir", str(run_dir)])
