@@ -133,7 +133,7 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None) -> d
     P.validate(config, check_run_dir=False)
     keys = P.seed_keys(config)
     hparams = P.stack_hparams([config.hparams] * agents)
-    result = P.run_batch(config, keys, hparams)  # lower + cold compile + one run
+    result = P.run_batch(config, keys, hparams, timed_runs=repeats)  # lower, cold compile, warm-up, timed runs
     row = {
         "config": name,
         "env": config.env,
@@ -144,15 +144,7 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None) -> d
         "compile_s": round(result.compile_seconds, 2),
         "final_return": round(float(np.nanmean(P.final_return(result.metrics))), 1),
     }
-    # The same compiled program again, timed: what run_batch compiled, rebuilt exactly as it does.
-    single = P.make_train(config)
-    if agents == 1:
-        fn = jax.jit(lambda key, h: single(key, h)).lower(keys[0], config.hparams).compile()
-        args = (keys[0], config.hparams)
-    else:
-        fn = jax.jit(jax.vmap(single, in_axes=(0, None))).lower(keys, config.hparams).compile()
-        args = (keys, config.hparams)
-    run_seconds = timed(fn, *args, repeats=repeats)
+    run_seconds = result.run_seconds
     steps_per_s = row["steps_per_agent"] * agents / run_seconds
     env_only, env_forward = references(config.env, config.num_envs * agents, min(row["steps_per_agent"] * agents, 1 << 21),
                                        repeats)

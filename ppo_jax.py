@@ -333,18 +333,18 @@ class VecEnv:
             )(keys, state.env_state, action, self.env_params)
             final_obs, obs = self._flat(info["final_observation"]), self._flat(obs)
         else:
-            final_obs, stepped, reward, terminated, _ = jax.vmap(
+            final_obs, env_state, reward, terminated, _ = jax.vmap(
                 self.env.step_env, in_axes=(0, 0, 0, None)
             )(keys, state.env_state, action, self.env_params)
-            truncated = jax.vmap(self.env.is_truncated, in_axes=(0, None))(stepped, self.env_params)
-            final_obs = self._flat(final_obs)
-            done = terminated | truncated
-            select = jax.vmap(lambda d, fresh, old: jax.tree.map(lambda a, b: jax.lax.select(d, a, b), fresh, old))
-            obs, env_state = select(done, resets, (final_obs, stepped))
+            truncated = jax.vmap(self.env.is_truncated, in_axes=(0, None))(env_state, self.env_params)
+            final_obs = obs = self._flat(final_obs)
         reward = reward.astype(jnp.float32)
         terminated = terminated.astype(bool)
         truncated = truncated.astype(bool)
         done = terminated | truncated
+        if not self.own_step:  # where an episode ended, continue from the drawn fresh start
+            select = jax.vmap(lambda d, fresh, old: jax.tree.map(lambda a, b: jax.lax.select(d, a, b), fresh, old))
+            obs, env_state = select(done, resets, (obs, env_state))
         episode_return = state.episode_return + reward
         episode_length = state.episode_length + 1
         info = {
@@ -1043,12 +1043,15 @@ def to_host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, progress=None) -> RunResult:
+def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, progress=None,
+              timed_runs: int = 0) -> RunResult:
     """Train a batch of agents of one static config as one jitted program: keys [B, 2] and HParams
     leaves [B] are vmapped together. The batch axis is sharded over every device (a 1-D mesh,
     padded to a multiple of the device count by repeating the last agent; the padding is dropped
     after). With chunk_size, the batch runs in chunks of that many agents through the same compiled
-    program. progress(done_agents) is called after each chunk."""
+    program. progress(done_agents) is called after each chunk. For benchmarks: with timed_runs > 0
+    the whole batch runs once more as a warm-up and then timed_runs times, and run_seconds is the
+    median of those timed runs."""
     keys = np.asarray(keys)
     size = keys.shape[0]
     num_devices = jax.device_count()
@@ -1094,17 +1097,20 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, progr
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
-    outputs = []
-    for i in range(num_chunks):
-        outputs.append(to_host(jax.block_until_ready(compiled(*chunk_inputs(i)))))
-        if progress:
-            progress(min((i + 1) * chunk, size))
-    finished_at = time.perf_counter()
+    seconds = []
+    for _ in range(1 + timed_runs + (timed_runs > 0)):
+        run_start = time.perf_counter()
+        outputs = []
+        for i in range(num_chunks):
+            outputs.append(to_host(jax.block_until_ready(compiled(*chunk_inputs(i)))))
+            if progress:
+                progress(min((i + 1) * chunk, size))
+        seconds.append(time.perf_counter() - run_start)
+    run_seconds = float(np.median(seconds[-timed_runs:])) if timed_runs else seconds[0]
     state, metrics = jax.tree.map(lambda *parts: np.concatenate(parts)[:size], *outputs)
     updates = np.arange(1, config.num_updates + 1, dtype=np.int64)  # host-side: no int32 overflow
     metrics["env_steps"] = np.broadcast_to(updates * config.batch_size, (size, config.num_updates))
-    return RunResult(state, metrics, lowered_at - start, compiled_at - lowered_at, finished_at - compiled_at,
-                     num_devices)
+    return RunResult(state, metrics, lowered_at - start, compiled_at - lowered_at, run_seconds, num_devices)
 
 
 def run(config: Config) -> RunResult:
@@ -1303,21 +1309,21 @@ def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> f
     space = env.env.action_space(env.env_params)
     steps = min(int(getattr(env.env_params, "max_steps_in_episode", 1000)), 2000) + 1
 
-    def step(env_state, key):
-        action_key, step_key, reset_key = jax.random.split(key, 3)
-        action = jax.vmap(space.sample)(jax.random.split(action_key, num_envs))
+    def step(env_state, inputs):
+        action_keys, step_keys, reset = inputs
+        action = jax.vmap(space.sample)(action_keys)
         action = action if env.discrete else action.reshape(num_envs, env.action_dim)
-        reset = jax.tree.map(lambda x: x[0], env.draw_resets(reset_key, 1))
-        _, env_state, _, terminated, truncated, info = env.step(jax.random.split(step_key, num_envs), env_state,
-                                                                action, reset)
+        _, env_state, _, terminated, truncated, info = env.step(step_keys, env_state, action, reset)
         done = (terminated | truncated).astype(jnp.float32)
         return env_state, (done * info["episode_return"], done)
 
     @jax.jit
     def rollout(key):
-        reset_key, key = jax.random.split(key)
+        reset_key, action_key, step_key, resets_key = jax.random.split(key, 4)
         _, env_state = env.reset(reset_key)
-        _, (returns, done) = jax.lax.scan(step, env_state, jax.random.split(key, steps))
+        inputs = (jax.random.split(action_key, (steps, num_envs)), jax.random.split(step_key, (steps, num_envs)),
+                  env.draw_resets(resets_key, steps))
+        _, (returns, done) = jax.lax.scan(step, env_state, inputs)
         return returns.sum() / done.sum()
 
     return float(rollout(jax.random.PRNGKey(seed)))
