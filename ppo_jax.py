@@ -10,6 +10,8 @@ same program.
     python ppo_jax.py --env Pendulum-v1 --num-seeds 4
     python ppo_jax.py --clip-eps 0 --kl-coef 1 --kl-target 0.01 --lr 2.5e-3   # PPO-Penalty
     python ppo_jax.py --env Acrobot-v1 --help                # every flag, with Acrobot's defaults
+    python ppo_jax.py --resume runs/CartPole-v1-...          # continue an interrupted run, bit-identically
+    python ppo_jax.py --eval runs/CartPole-v1-... --deterministic
 
 Sections, top to bottom:
     1. Config, HParams    what fixes the compiled program / what can vary inside it
@@ -17,11 +19,14 @@ Sections, top to bottom:
     3. Network            ActorCritic; Categorical and diagonal Gaussian in closed form (log-prob,
                           entropy, KL); RunningStats for observation and reward normalisation
     4. Math               compute_gae, clipped_surrogate, value_loss, adaptive_kl_coef, ...
-    5. Training           make_train(config) -> train(key, hparams) -> (TrainState, metrics)
-    6. Running            validation, compile + run, metrics to numpy
-    7. Outputs            run directory: config.json, summary.json, metrics.csv, curve.png,
-                          params.msgpack
-    8. CLI                main()
+    5. Training           make_train(config) -> train(key, hparams) -> (TrainState, metrics), and its
+                          two halves make_train_parts(config) -> init, advance (a chunk of updates)
+    6. Running            validation; compile, then run chunk by chunk; metrics to numpy; a single
+                          run's checkpoints, NaN guard, signals and progress; sweep specs
+    7. Outputs            run directory: config.json, checkpoint.msgpack, metrics.csv, summary.json,
+                          curve.png, params.msgpack; sweep outputs
+    8. Evaluation         a trained policy on complete episodes; a GIF of one
+    9. CLI                main()
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ import dataclasses
 import datetime
 import difflib
 import functools
+import io
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import tomllib
 import warnings
@@ -190,6 +198,25 @@ class Config:
     """Keep compiled programs in this directory (JAX's persistent compilation cache): a later run of
     the same static config, whatever its HParams, skips XLA's compile. "" turns it off. Default:
     $PPO_JAX_COMPILE_CACHE or ~/.cache/ppo_jax; $JAX_COMPILATION_CACHE_DIR, when set, wins."""
+    checkpoint_every: int = 0
+    """Updates per chunk. A run is a loop of one compiled program over chunks of updates; after each
+    chunk, metrics.csv gets its rows, the checkpoint is saved (atomically) and the progress line
+    moves. 0: about 20 chunks per run. Results do not depend on it (they are bit-identical)."""
+    resume: str | None = None
+    """Continue the run in this run directory from its last checkpoint, with its own config.json:
+    the result is bit-identical to an uninterrupted run."""
+    eval: str | None = None
+    """Evaluate the final policy of this run directory (every seed in its params.msgpack) and exit:
+    mean +- std return over complete episodes, in one jitted program."""
+    episodes: int = 100
+    """With --eval: complete episodes per seed."""
+    deterministic: bool = False
+    """With --eval: act with the policy's mode (the argmax; the Gaussian's mean) instead of sampling."""
+    render: str | None = None
+    """With --eval: also write one episode of seed --params-index as a GIF to this path (envs that
+    gymnax can draw: classic control, MinAtar, Catch-bsuite, ...)."""
+    quiet: bool = False
+    """No live progress line."""
     hparams: Annotated[HParams, tyro.conf.OmitArgPrefixes] = HParams()
     """Traced hyperparameters: the point that a single run uses."""
 
@@ -754,6 +781,7 @@ def minibatch_step(carry, minibatch: Batch, network, unravel, tx, hparams, lr, k
     loss = lambda flat: ppo_loss(unravel(flat), network, minibatch, hparams, kl_coef)  # noqa: E731
     grads, diagnostics = jax.grad(loss, has_aux=True)(flat_params)
     stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
+    diagnostics["grad_norm"] = jnp.sqrt(jnp.sum(grads**2))  # before clipping; non-finite: see the NaN guard
     updates, new_opt_state = tx.update(grads, opt_state, flat_params)
     step_size = jnp.where(stopped, 0.0, lr)  # a stopped step leaves params (and below, Adam's state) as they were
     flat_params = flat_params - step_size * updates
@@ -832,6 +860,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, tx, 
         "grad_steps": jnp.sum(grad_steps),
         "explained_variance": explained_variance(traj.value, targets),
         "learning_rate": lr,
+        "param_norm": jnp.sqrt(jnp.sum(flat_params**2)),  # after the update; non-finite: see the NaN guard
     }
     state = state.replace(params=params, opt_state=opt_state, kl_coef=kl_coef, key=key, update=state.update + 1)
     return state, metrics
@@ -877,32 +906,58 @@ def init_train_state(key, env: VecEnv, network: ActorCritic, tx, hparams: HParam
     )
 
 
-def make_train(config: Config):
-    """Returns the pure function train(key, hparams) -> (TrainState, metrics).
+def train_updates(state: TrainState, hparams: HParams, length: int, num_active=None, *, config: Config,
+                  env: VecEnv, network: ActorCritic):
+    """`length` updates as one lax.scan -> (state, metrics, each [length]). With `num_active` (an int32
+    scalar, the same for every agent of a batch), the updates from index num_active on are skipped
+    and their metrics are NaN: so a run's last, shorter chunk reuses the chunk's compiled program.
+    The skip is a lax.cond on an unbatched predicate, so under vmap it still runs one branch."""
+    tx = make_optimizer(hparams)
+    step = functools.partial(update_step, config=config, env=env, network=network, tx=tx, hparams=hparams)
+    if num_active is None:
+        return jax.lax.scan(step, state, None, length=length)
+    shapes = jax.eval_shape(step, state, None)[1]
+    skip = lambda state: (state, jax.tree.map(lambda m: jnp.full(m.shape, jnp.nan, m.dtype), shapes))  # noqa: E731
+    body = lambda state, i: jax.lax.cond(i < num_active, lambda s: step(s, None), skip, state)  # noqa: E731
+    return jax.lax.scan(body, state, jnp.arange(length))
 
-    Only `config`'s static fields shape the program; `config.hparams` is not read here. The
-    metrics are a dict of float32 arrays of shape [num_updates]. Policies named by --init-params
-    and --ref-params are read here and become constants of the program.
-    """
+
+def make_train_parts(config: Config):
+    """The two programs a run is made of: init(key, hparams) -> TrainState, and
+    advance(state, hparams, length, num_active=None) -> (TrainState, metrics [length]), which a
+    checkpointed run calls once per chunk of updates. Policies named by --init-params and
+    --ref-params are read here and become constants of the program."""
     env = make_env(config)
     network = make_network(config, env)
     initial = load_policy(config, env, network, config.init_params, "--init-params")
     reference = load_policy(config, env, network, config.ref_params, "--ref-params")
 
+    def init(key, hparams: HParams) -> TrainState:
+        return init_train_state(key, env, network, make_optimizer(hparams), hparams, initial, reference)
+
+    advance = functools.partial(train_updates, config=config, env=env, network=network)
+    return init, advance
+
+
+def make_train(config: Config):
+    """Returns the pure function train(key, hparams) -> (TrainState, metrics): init, then all the
+    updates in one lax.scan.
+
+    Only `config`'s static fields shape the program; `config.hparams` is not read here. The
+    metrics are a dict of float32 arrays of shape [num_updates]. A run split into chunks of updates
+    (run_batch, --checkpoint-every) gives bit-identical results: the tests check it.
+    """
+    init, advance = make_train_parts(config)
+
     def train(key, hparams: HParams):
-        tx = make_optimizer(hparams)
-        state = init_train_state(key, env, network, tx, hparams, initial, reference)
-        step = functools.partial(update_step, config=config, env=env, network=network, tx=tx, hparams=hparams)
-        return jax.lax.scan(step, state, None, length=config.num_updates)
+        return advance(init(key, hparams), hparams, config.num_updates)
 
     return train
 
 
-def load_policy(config: Config, env: VecEnv, network: ActorCritic, path: str | None, flag: str) -> Policy | None:
-    """Read seed `config.params_index` of a params.msgpack written by an earlier run, checking it
+def read_policies(config: Config, env: VecEnv, network: ActorCritic, path: str, flag: str) -> Policy:
+    """Every seed of a params.msgpack written by an earlier run (leaves [seeds, ...]), checked
     against this run's network; a ConfigError names what does not fit. No pickle: msgpack only."""
-    if path is None:
-        return None
     template = jax.eval_shape(
         lambda key: init_policy(key, env, network, HParams(), jnp.zeros((1, env.obs_dim))), jax.random.PRNGKey(0)
     )
@@ -920,16 +975,27 @@ def load_policy(config: Config, env: VecEnv, network: ActorCritic, path: str | N
         raise ConfigError(f"{flag} {path}: its parameters do not match this network (missing {missing[:3]}, "
                           f"unexpected {extra[:3]}): same --hidden-sizes / --shared-trunk as the run that saved it?")
     num_seeds = {np.shape(value)[0] if np.ndim(value) else 0 for value in found.values()}
-    if len(num_seeds) != 1 or not config.params_index < min(num_seeds):
-        raise ConfigError(f"{flag} {path}: holds {sorted(num_seeds)} seed(s); --params-index "
-                          f"{config.params_index} must be smaller")
+    if len(num_seeds) != 1 or 0 in num_seeds:
+        raise ConfigError(f"{flag} {path}: its entries hold different numbers of seeds {sorted(num_seeds)}: corrupt?")
     for name, leaf in expected.items():
         shape = tuple(np.shape(found[name])[1:])
         if shape != leaf.shape:
             raise ConfigError(f"{flag} {path}: {name} has shape {shape}, this run's network needs {leaf.shape} "
                               f"(a different --env or --hidden-sizes?)")
-    chosen = {name: jnp.asarray(value[config.params_index], jnp.float32) for name, value in found.items()}
-    return serialization.from_state_dict(template, flax.traverse_util.unflatten_dict(chosen, sep="/"))
+    arrays = {name: np.asarray(value, np.float32) for name, value in found.items()}
+    return serialization.from_state_dict(template, flax.traverse_util.unflatten_dict(arrays, sep="/"))
+
+
+def load_policy(config: Config, env: VecEnv, network: ActorCritic, path: str | None, flag: str) -> Policy | None:
+    """Seed `config.params_index` of a params.msgpack (see read_policies); None without a path."""
+    if path is None:
+        return None
+    policies = read_policies(config, env, network, path, flag)
+    num_seeds = len(policies.obs_stats.count)
+    if not config.params_index < num_seeds:
+        raise ConfigError(f"{flag} {path}: holds {num_seeds} seed(s); --params-index {config.params_index} "
+                          "must be smaller")
+    return jax.tree.map(lambda x: jnp.asarray(x[config.params_index]), policies)
 
 
 # ================================================================================================
@@ -938,8 +1004,9 @@ def load_policy(config: Config, env: VecEnv, network: ActorCritic, path: str | N
 
 STATIC_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"hparams"}
 HPARAM_FIELDS = {f.name for f in dataclasses.fields(HParams)}
-RUN_FIELDS = {  # not part of a spec
-    "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "distributed", "compile_cache"}
+RUN_FIELDS = {  # not part of a spec: they change how a run is driven and reported, never its results
+    "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "distributed", "compile_cache", "checkpoint_every",
+    "resume", "eval", "episodes", "deterministic", "render", "quiet"}
 
 
 def flag(name: str) -> str:
@@ -967,6 +1034,9 @@ def validate_hparams(h: HParams, where: str = "") -> None:
             "give a starting beta, e.g. --kl-coef 1")
 
 
+FIELD_ZERO = {"table_rows": "no table", "sweep_chunk": "all agents at once", "checkpoint_every": "about 20 chunks"}
+
+
 def validate(config: Config, check_run_dir: bool = True) -> None:
     """Raise ConfigError for the first invalid setting, before anything is compiled."""
     if config.env not in gymnax.registered_envs:
@@ -981,8 +1051,9 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
         raise ConfigError(f"--activation {config.activation!r}: use tanh or relu")
     if not config.hidden_sizes or min(config.hidden_sizes) < 1:
         raise ConfigError(f"--hidden-sizes {config.hidden_sizes}: give one or more positive widths, e.g. 64 64")
-    if config.table_rows < 0 or config.sweep_chunk < 0:
-        raise ConfigError(f"--table-rows {config.table_rows} / --sweep-chunk {config.sweep_chunk}: must be >= 0")
+    for name in ("table_rows", "sweep_chunk", "checkpoint_every"):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be >= 0 (0: {FIELD_ZERO[name]})")
     if config.batch_size % config.num_minibatches:
         raise ConfigError(
             f"--num-minibatches {config.num_minibatches} does not divide the batch "
@@ -1009,16 +1080,40 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
 @dataclasses.dataclass
 class RunResult:
     state: TrainState  # numpy leaves with a leading [batch] axis (agents: points x seeds)
-    metrics: dict[str, np.ndarray]  # name -> [batch, num_updates]; includes env_steps
-    lower_seconds: float
+    metrics: dict[str, np.ndarray]  # name -> [batch, updates done]; includes env_steps
+    lower_seconds: float  # both programs (init and a chunk of updates)
     compile_seconds: float
     run_seconds: float
     num_devices: int = 1  # the batch axis was sharded over this many devices
+    steps_run: int = 0  # environment steps this call ran, all agents together (less than the run's when resumed)
 
     @property
     def steps_per_second(self) -> float:
         """Environment steps per second, all agents of the batch together."""
-        return float(self.metrics["env_steps"][0, -1]) * self.metrics["env_steps"].shape[0] / self.run_seconds
+        return self.steps_run / self.run_seconds
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """Where a run stands between two chunks: host copies, every leaf with a leading [batch] axis."""
+
+    state: TrainState
+    metrics: dict[str, np.ndarray]  # name -> [batch, updates done], without env_steps
+
+    @property
+    def updates_done(self) -> int:
+        return int(self.state.update[0])
+
+
+def chunk_length(config: Config) -> int:
+    """Updates per chunk: --checkpoint-every, or about 20 chunks per run."""
+    return config.checkpoint_every or -(-config.num_updates // 20)
+
+
+def with_env_steps(metrics: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
+    num_agents, num_updates = next(iter(metrics.values())).shape
+    updates = np.arange(1, num_updates + 1, dtype=np.int64)  # host-side: no int32 overflow
+    return {**metrics, "env_steps": np.broadcast_to(updates * batch_size, (num_agents, num_updates))}
 
 
 def seed_keys(config: Config):
@@ -1043,80 +1138,210 @@ def to_host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, progress=None,
-              timed_runs: int = 0) -> RunResult:
-    """Train a batch of agents of one static config as one jitted program: keys [B, 2] and HParams
-    leaves [B] are vmapped together. The batch axis is sharded over every device (a 1-D mesh,
-    padded to a multiple of the device count by repeating the last agent; the padding is dropped
-    after). With chunk_size, the batch runs in chunks of that many agents through the same compiled
-    program. progress(done_agents) is called after each chunk. For benchmarks: with timed_runs > 0
-    the whole batch runs once more as a warm-up and then timed_runs times, and run_seconds is the
-    median of those timed runs."""
+def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_chunk=None, timed_runs: int = 0,
+              start: Checkpoint | None = None) -> RunResult:
+    """Train a batch of agents of one static config: keys [B, 2] and HParams leaves [B] are vmapped
+    together. Two jitted programs: init, and a chunk of chunk_length(config) updates, which the run
+    calls until every update is done, its state donated. The batch axis is sharded over every
+    device (a 1-D mesh, padded to a multiple of the device count by repeating the last agent; the
+    padding is dropped after). With chunk_size, the agents run in groups of that many through the
+    same compiled programs (each chunk of updates, group after group).
+
+    on_chunk(updates_done, metrics, state) is called once when the programs are compiled and
+    after every chunk: metrics so far [B, updates_done] with env_steps, and state() fetches the
+    TrainState [B] to the host. If it returns True, the run stops there. `start` continues a run
+    from a checkpoint instead of init. For benchmarks: with timed_runs > 0 the whole batch runs once
+    more as a warm-up and then timed_runs times, and run_seconds is the median of the timed runs."""
     keys = np.asarray(keys)
     size = keys.shape[0]
     num_devices = jax.device_count()
-    chunk = min(chunk_size or size, size)
-    chunk = -(-chunk // num_devices) * num_devices  # round up to a multiple of the device count
-    num_chunks = -(-size // chunk)
-    pad = lambda x: np.concatenate([x, np.repeat(x[-1:], num_chunks * chunk - size, axis=0)])  # noqa: E731
+    group = min(chunk_size or size, size)
+    group = -(-group // num_devices) * num_devices  # round up to a multiple of the device count
+    num_groups = -(-size // group)
+    pad = lambda x: np.concatenate([x, np.repeat(x[-1:], num_groups * group - size, axis=0)])  # noqa: E731
     # An hparam with one value across the batch is passed once, not vmapped (speed: a lax.cond on
     # an unbatched switch runs one branch; on a batched one, vmap must run both and select).
     varies = jax.tree.map(lambda x: bool(np.any(x != x[:1])), hparams)
     hparams = jax.tree.map(lambda x, v: pad(x) if v else x[0], hparams, varies)
     keys = pad(keys)
-    slice_of = lambda x, v, i: x[i * chunk:(i + 1) * chunk] if v else x  # noqa: E731
+    slice_of = lambda x, v, i: x[i * group:(i + 1) * group] if v else x  # noqa: E731
 
-    single = make_train(config)
-    if chunk == 1:  # one agent: no vmap (a batch axis of 1 made the rollout's small ops ~40% slower on CPU)
-        def train(keys, hp):
-            hp = jax.tree.map(lambda x, v: x[0] if v else x, hp, varies)
-            return jax.tree.map(lambda x: x[None], single(keys[0], hp))
+    init, advance = make_train_parts(config)
+    length = chunk_length(config)
+    if group == 1:  # one agent: no vmap (a batch axis of 1 made the rollout's small ops ~40% slower on CPU)
+        first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+        add_axis = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+        unbatch = lambda hp: jax.tree.map(lambda x, v: x[0] if v else x, hp, varies)  # noqa: E731
+        init_batch = lambda keys, hp: add_axis(init(keys[0], unbatch(hp)))  # noqa: E731
+        advance_batch = lambda state, hp, n: add_axis(advance(first(state), unbatch(hp), length, n))  # noqa: E731
     else:
-        train = jax.vmap(single, in_axes=(0, jax.tree.map(lambda v: 0 if v else None, varies)))
+        hparams_axes = jax.tree.map(lambda v: 0 if v else None, varies)
+        init_batch = jax.vmap(init, in_axes=(0, hparams_axes))
+        advance_batch = jax.vmap(lambda state, hp, n: advance(state, hp, length, n), in_axes=(0, hparams_axes, None))
     if num_devices == 1:
-        # One device (the usual CPU case): a plain jit of numpy inputs, no sharding machinery.
-        train = jax.jit(train)
-        def chunk_inputs(i):
-            return slice_of(keys, True, i), jax.tree.map(lambda x, v: slice_of(x, v, i), hparams, varies)
+        # One device (the usual CPU case): a plain jit, no sharding machinery.
+        init_batch = jax.jit(init_batch)
+        advance_batch = jax.jit(advance_batch, donate_argnums=0)
+        put = lambda x, batched: jax.device_put(x)  # noqa: E731
     else:
         mesh = Mesh(np.asarray(jax.devices()), ("batch",))
         sharding, replicated = NamedSharding(mesh, PartitionSpec("batch")), NamedSharding(mesh, PartitionSpec())
         hparams_sharding = jax.tree.map(lambda v: sharding if v else replicated, varies)
-        train = jax.jit(train, in_shardings=(sharding, hparams_sharding), out_shardings=sharding)
+        init_batch = jax.jit(init_batch, in_shardings=(sharding, hparams_sharding), out_shardings=sharding)
+        advance_batch = jax.jit(advance_batch, in_shardings=(sharding, hparams_sharding, replicated),
+                                out_shardings=sharding, donate_argnums=0)
 
-        def chunk_inputs(i):  # each host supplies the shards of its own devices
-            def put(x, v):
-                part = slice_of(x, v, i)
-                where = sharding if v else replicated
-                return jax.make_array_from_callback(part.shape, where, lambda index: part[index])
+        def put(x, batched):  # each host supplies the shards of its own devices
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding if batched else replicated, lambda index: x[index])
 
-            return put(keys, True), jax.tree.map(put, hparams, varies)
-
-    start = time.perf_counter()
-    lowered = train.lower(*chunk_inputs(0))
+    group_keys = [put(slice_of(keys, True, i), True) for i in range(num_groups)]
+    group_hparams = [jax.tree.map(lambda x, v: put(slice_of(x, v, i), v), hparams, varies) for i in range(num_groups)]
+    timer = time.perf_counter()
+    lowered_init = init_batch.lower(group_keys[0], group_hparams[0])
+    state_shapes = jax.eval_shape(init_batch, group_keys[0], group_hparams[0])
+    lowered_advance = advance_batch.lower(state_shapes, group_hparams[0], put(np.int32(length), False))
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    compiled_init, compiled_advance = lowered_init.compile(), lowered_advance.compile()
     compiled_at = time.perf_counter()
+
+    def host_state(states):
+        return jax.tree.map(lambda *parts: np.concatenate(parts)[:size], *[to_host(s) for s in states])
+
     seconds = []
     for _ in range(1 + timed_runs + (timed_runs > 0)):
         run_start = time.perf_counter()
-        outputs = []
-        for i in range(num_chunks):
-            outputs.append(to_host(jax.block_until_ready(compiled(*chunk_inputs(i)))))
-            if progress:
-                progress(min((i + 1) * chunk, size))
+        if start is None:
+            states, metrics = [compiled_init(group_keys[i], group_hparams[i]) for i in range(num_groups)], None
+        else:
+            padded = jax.tree.map(pad, start.state)
+            states = [jax.tree.map(lambda x: put(slice_of(x, True, i), True), padded) for i in range(num_groups)]
+            metrics = start.metrics
+        first_done = done = 0 if start is None else start.updates_done
+        if on_chunk:
+            on_chunk(done, None if metrics is None else with_env_steps(metrics, config.batch_size),
+                     lambda: host_state(states))
+        stop = False
+        while done < config.num_updates and not stop:
+            num_active = min(length, config.num_updates - done)
+            parts = []
+            for i in range(num_groups):
+                states[i], chunk_metrics = compiled_advance(states[i], group_hparams[i], put(np.int32(num_active), False))
+                parts.append(to_host(chunk_metrics))
+            new = jax.tree.map(lambda *p: np.concatenate(p)[:size, :num_active], *parts)
+            metrics = new if metrics is None else jax.tree.map(lambda a, b: np.concatenate([a, b], 1), metrics, new)
+            done += num_active
+            stop = on_chunk and on_chunk(done, with_env_steps(metrics, config.batch_size), lambda: host_state(states))
         seconds.append(time.perf_counter() - run_start)
     run_seconds = float(np.median(seconds[-timed_runs:])) if timed_runs else seconds[0]
-    state, metrics = jax.tree.map(lambda *parts: np.concatenate(parts)[:size], *outputs)
-    updates = np.arange(1, config.num_updates + 1, dtype=np.int64)  # host-side: no int32 overflow
-    metrics["env_steps"] = np.broadcast_to(updates * config.batch_size, (size, config.num_updates))
-    return RunResult(state, metrics, lowered_at - start, compiled_at - lowered_at, run_seconds, num_devices)
+    return RunResult(host_state(states), with_env_steps(metrics, config.batch_size), lowered_at - timer,
+                     compiled_at - lowered_at, run_seconds, num_devices, (done - first_done) * config.batch_size * size)
 
 
 def run(config: Config) -> RunResult:
     """Compile and run config.num_seeds seeds of the config's HParams point as one program."""
     hparams = stack_hparams([config.hparams] * config.num_seeds)
     return run_batch(config, seed_keys(config), hparams, config.sweep_chunk)
+
+
+# --- a single run with its run directory: checkpoints, NaN guard, signals, live progress ----------
+
+GUARDED_METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm", "param_norm", "kl")
+
+
+def first_nonfinite(metrics: dict[str, np.ndarray], start: int = 0) -> str | None:
+    """The NaN guard: where the first non-finite loss, gradient norm, parameter norm or KL is, from
+    update index `start` on ("update U, seed S: M = v"), or None. (Episode returns and ref_kl are
+    NaN by design where no episode ended or the leash is off.)"""
+    bad = np.stack([~np.isfinite(metrics[name][:, start:]) for name in GUARDED_METRICS])  # [metric, seed, update]
+    if not bad.any():
+        return None
+    update = int(np.argmax(bad.any(axis=(0, 1))))
+    metric, seed = np.argwhere(bad[:, :, update])[0]
+    name = GUARDED_METRICS[metric]
+    return f"update {start + update + 1}, seed {seed}: {name} = {metrics[name][seed, start + update]}"
+
+
+class StopRequests:
+    """SIGINT (Ctrl-C) and SIGTERM during a run ask it to stop after the current chunk of updates
+    (a compiled chunk cannot be interrupted); a second Ctrl-C stops at once, losing that chunk."""
+
+    def __init__(self):
+        self.signal, self.previous = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python installs handlers only there
+            self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this chunk of updates to save a checkpoint "
+              "(Ctrl-C again: stop now and lose the chunk)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exception):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class RunRecorder:
+    """run_batch's on_chunk for a single run: after every chunk of updates, append metrics.csv,
+    apply the NaN guard, save the checkpoint (never a non-finite one), update the progress line,
+    and stop if a signal asked for it. run_dir None (not the writing host): nothing is written."""
+
+    def __init__(self, config: Config, run_dir: str | None, stop: StopRequests):
+        self.config, self.run_dir, self.stop = config, run_dir, stop
+        self.done = self.progress = self.diverged = None
+        self.last_finite: TrainState | None = None  # the state of the last checkpoint (None: none yet)
+
+    def write(self, function, *args) -> None:
+        if self.run_dir is not None:
+            function(*args)
+
+    def __call__(self, done: int, metrics, state) -> bool:
+        csv_path = None if self.run_dir is None else os.path.join(self.run_dir, "metrics.csv")
+        if self.done is None:  # compiled; the run starts (when resumed: fill rows a kill may have cut off)
+            self.done, self.time = done, time.perf_counter()
+            self.progress = Progress(self.config.num_updates, done, self.config.quiet or jax.process_index() > 0)
+            if metrics is not None:
+                self.last_finite = state()
+                self.write(append_metrics_csv, csv_path, metrics)
+            return False
+        self.write(append_metrics_csv, csv_path, metrics)
+        self.diverged = first_nonfinite(metrics, self.done)
+        if self.diverged:
+            return True
+        self.last_finite = state()
+        metrics_only = {name: value for name, value in metrics.items() if name != "env_steps"}
+        self.write(save_checkpoint, self.run_dir, self.config, Checkpoint(self.last_finite, metrics_only))
+        now = time.perf_counter()
+        returns = metrics["episode_return"][:, self.done:done]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no episode ended in the chunk
+            mean_return = np.nanmean(returns)
+        rate = (done - self.done) * self.config.batch_size * self.config.num_seeds / (now - self.time)
+        self.progress.show(done, f"update {done}/{self.config.num_updates}  return {mean_return:.1f}  "
+                                 f"{rate:,.0f} env steps/s")
+        self.done, self.time = done, now
+        return self.stop.signal is not None
+
+
+def train_run(config: Config, run_dir: str | None, start: Checkpoint | None = None) -> tuple[RunResult, str]:
+    """A single run (config.num_seeds seeds) into its run directory, chunk by chunk (see
+    RunRecorder), from `start` when resumed -> (result, status): "complete", "interrupted by
+    SIGINT/SIGTERM" or "diverged at update U, seed S: M = v"."""
+    with StopRequests() as stop:
+        recorder = RunRecorder(config, run_dir, stop)
+        hparams = stack_hparams([config.hparams] * config.num_seeds)
+        result = run_batch(config, seed_keys(config), hparams, config.sweep_chunk, recorder, start=start)
+    recorder.progress.end()
+    if recorder.diverged:  # keep the last finite state: the final params are not worth having
+        return dataclasses.replace(result, state=recorder.last_finite), f"diverged at {recorder.diverged}"
+    if result.metrics["env_steps"].shape[1] < config.num_updates:
+        return result, f"interrupted by {signal.Signals(stop.signal).name}"
+    return result, "complete"
 
 
 # --- sweep specs ---------------------------------------------------------------------------------
@@ -1395,16 +1620,46 @@ def new_run_dir(requested: str | None, name: str) -> str:
             path = f"{base}-{suffix}"
 
 
-def write_metrics_csv(path: str, metrics: dict[str, np.ndarray]) -> None:
+def last_update_in_csv(path: str) -> int:
+    """The update number of metrics.csv's last row (0 when there is no file or no row yet)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 65536))
+            last = f.read().decode().rstrip("\n").rsplit("\n", 1)[-1]
+    except FileNotFoundError:
+        return 0
+    return int(last.split(",")[0]) if last[:1].isdigit() else 0
+
+
+def append_metrics_csv(path: str, metrics: dict[str, np.ndarray]) -> None:
+    """Append the rows of the updates that metrics.csv does not have yet (one row per update per
+    seed, update-major), so the file only ever grows, and a run resumed after a kill between its
+    checkpoint and its rows fills the gap. Floats are written with 9 significant digits: float32
+    values read back exactly."""
     names = ["env_steps"] + sorted(name for name in metrics if name != "env_steps")
     num_seeds, num_updates = metrics["env_steps"].shape
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["seed", "update"] + names)
+    first = last_update_in_csv(path)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    if not os.path.exists(path):
+        writer.writerow(["update", "seed"] + names)
+    for update in range(first, num_updates):
         for seed in range(num_seeds):
-            for update in range(num_updates):
-                row = [metrics[name][seed, update] for name in names]
-                writer.writerow([seed, update + 1] + [f"{v:.8g}" if isinstance(v, float | np.floating) else v for v in row])
+            row = [metrics[name][seed, update] for name in names]
+            writer.writerow([update + 1, seed] + [f"{v:.9g}" if isinstance(v, float | np.floating) else v for v in row])
+    with open(path, "a", newline="") as f:
+        f.write(buffer.getvalue())  # one write per chunk
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write to a temporary file beside `path`, then rename it over `path`: a kill mid-write leaves
+    the previous version whole."""
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
 
 
 def plot_seeds(ax, steps, returns, label: str, color=None) -> None:
@@ -1443,33 +1698,110 @@ def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=120)
     plt.close(fig)
+    write_atomically(path, image.getvalue())
 
 
-def write_outputs(run_dir: str, config: Config, result: RunResult) -> None:
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
+def write_config(run_dir: str, config: Config) -> None:
+    with open(os.path.join(run_dir, "config.json"), "x") as f:  # "x": never over an existing file
         json.dump(dataclasses.asdict(config), f, indent=2)
+
+
+def write_outputs(run_dir: str, config: Config, result: RunResult, status: str = "complete") -> None:
+    """summary.json, curve.png and params.msgpack as of the updates done so far, each replaced
+    atomically (metrics.csv and the checkpoint are written after every chunk)."""
     finals = final_return(result.metrics)
     summary = {
+        "status": status,  # complete, interrupted (resume it with --resume) or diverged at update N
         "final_return_per_seed": [float(x) for x in finals],
         "final_return_mean": float(np.nanmean(finals)),
         "env_steps_per_seed": int(result.metrics["env_steps"][0, -1]),
+        "updates_done": int(result.metrics["env_steps"].shape[1]),
         "num_updates": config.num_updates,
         "lower_seconds": result.lower_seconds,
         "compile_seconds": result.compile_seconds,
-        "run_seconds": result.run_seconds,
+        "run_seconds": result.run_seconds,  # of this process (a resumed run's own part)
         "env_steps_per_second": result.steps_per_second,
         "jax": jax.__version__,
         "device": str(jax.devices()[0]),
     }
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    write_metrics_csv(os.path.join(run_dir, "metrics.csv"), result.metrics)
+    write_atomically(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2).encode())
     plot_curve(os.path.join(run_dir, "curve.png"), result.metrics, f"PPO on {config.env}")
+    if result.state is None:  # diverged in its first chunk: no finite policy to keep
+        return
     final_policy = Policy(result.state.params, result.state.obs_stats)  # leading [num_seeds] axis
-    with open(os.path.join(run_dir, "params.msgpack"), "wb") as f:
-        f.write(serialization.to_bytes(jax.device_get(final_policy)))
+    write_atomically(os.path.join(run_dir, "params.msgpack"), serialization.to_bytes(jax.device_get(final_policy)))
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+# One msgpack file (flax.serialization; no pickle): the whole TrainState of every seed, the metrics
+# so far, and the config it was written under. Saved after every chunk of updates, atomically.
+
+CHECKPOINT = "checkpoint.msgpack"
+CHECKPOINT_FORMAT = "ppo_jax checkpoint 1"
+
+
+def run_spec(config: Config) -> dict[str, Any]:
+    """What fixes a run's results: every Config and HParams field except the RUN_FIELDS, flat."""
+    fields = {**dataclasses.asdict(config), **dataclasses.asdict(config.hparams)}
+    return json.loads(json.dumps({name: value for name, value in fields.items()
+                                  if name not in RUN_FIELDS and name != "hparams"}))  # JSON's own types
+
+
+def save_checkpoint(run_dir: str, config: Config, checkpoint: Checkpoint) -> None:
+    data = {
+        "format": CHECKPOINT_FORMAT,
+        "config": json.dumps(run_spec(config)),
+        "state": serialization.to_state_dict(jax.device_get(checkpoint.state)),
+        "metrics": checkpoint.metrics,
+    }
+    write_atomically(os.path.join(run_dir, CHECKPOINT), serialization.msgpack_serialize(data))
+
+
+def abstract_train_state(config: Config) -> TrainState:
+    """Shapes and dtypes of the TrainState of config.num_seeds seeds (nothing is computed)."""
+    init, _ = make_train_parts(config)
+    return jax.eval_shape(jax.vmap(init, in_axes=(0, None)), seed_keys(config), config.hparams)
+
+
+def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
+    """Read RUN_DIR's checkpoint and check it against `config` (RUN_DIR's config.json); a
+    ConfigError names what is missing, corrupt or does not fit."""
+    path = os.path.join(run_dir, CHECKPOINT)
+    where = f"--resume {run_dir}"
+    try:
+        with open(path, "rb") as f:
+            data = serialization.msgpack_restore(f.read())
+    except OSError as error:
+        raise ConfigError(f"{where}: cannot read {CHECKPOINT} ({error.strerror}); a run writes it after its "
+                          "first chunk of updates") from None
+    except Exception:  # msgpack raises several types on garbage
+        data = None
+    if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT or not {"config", "state", "metrics"} <= set(data):
+        raise ConfigError(f"{where}: {path} is corrupt or not a ppo_jax checkpoint: the run cannot continue from it")
+    saved, expected = json.loads(data["config"]), run_spec(config)
+    for name in expected:
+        if saved.get(name) != expected[name]:
+            raise ConfigError(f"{where}: the checkpoint was written with {flag(name)} {saved.get(name)}, but config.json "
+                              f"says {expected[name]}: restore config.json, or start a new run")
+    template = abstract_train_state(config)
+    want = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), sep="/")
+    found = flax.traverse_util.flatten_dict(data["state"], sep="/") if isinstance(data["state"], dict) else {}
+    for name, leaf in want.items():
+        value = found.get(name)
+        if not isinstance(value, np.ndarray) or value.shape != leaf.shape or value.dtype != leaf.dtype:
+            got = "nothing" if value is None else f"{np.shape(value)} {getattr(value, 'dtype', type(value).__name__)}"
+            raise ConfigError(f"{where}: checkpoint entry state/{name} is {got}, this config needs {leaf.shape} "
+                              f"{leaf.dtype}: the checkpoint does not belong to this config")
+    state = serialization.from_state_dict(template, data["state"])
+    checkpoint = Checkpoint(state, data["metrics"])
+    shapes = {np.shape(value) for value in checkpoint.metrics.values()}
+    if shapes != {(config.num_seeds, checkpoint.updates_done)}:
+        raise ConfigError(f"{where}: the checkpoint's metrics have shapes {sorted(shapes)}, expected "
+                          f"{(config.num_seeds, checkpoint.updates_done)}: it is corrupt")
+    return checkpoint
 
 
 # --- sweep outputs -------------------------------------------------------------------------------
@@ -1645,37 +1977,55 @@ def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]
     return text
 
 
+def clock(seconds: float) -> str:
+    return "?" if not math.isfinite(seconds) else f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
 class Progress:
-    """One line over all agents of all static settings: a bar, elapsed time and ETA."""
+    """The live progress line: a bar over all the work, elapsed time, ETA, then a message. On a
+    terminal it redraws one line; in a log file, one line per report. With quiet, nothing."""
 
-    def __init__(self, total_agents: int):
-        self.total, self.done, self.start = total_agents, 0, time.perf_counter()
+    def __init__(self, total: int, done: int = 0, quiet: bool = False):
+        self.total, self.first, self.quiet = total, done, quiet
+        self.start, self.open_line = time.perf_counter(), False
 
-    def show(self, message: str) -> None:
+    def show(self, done: int, message: str) -> None:
+        if self.quiet:
+            return
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        bar = "#" * round(30 * self.done / self.total)
-        minutes = lambda t: "?" if t != t else f"{int(t // 60)}m{int(t % 60):02d}s"  # noqa: E731
-        print(f"[{bar:<30}] {self.done}/{self.total} agents  elapsed {minutes(elapsed)}  ETA {minutes(eta)}  "
-              f"{message}", flush=True)
+        eta = elapsed / (done - self.first) * (self.total - done) if done > self.first else math.nan
+        bar = "#" * round(30 * done / self.total)
+        line = f"[{bar:<30}] {100 * done / self.total:3.0f}%  elapsed {clock(elapsed)}  ETA {clock(eta)}  {message}"
+        if sys.stdout.isatty():
+            print("\r" + line + "\033[K", end="", flush=True)
+            self.open_line = True
+        else:
+            print(line, flush=True)
+
+    def end(self) -> None:
+        if self.open_line:
+            print(flush=True)
+            self.open_line = False
 
 
-def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0) -> list[SweepSetting]:
+def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0, quiet: bool = False) -> list[SweepSetting]:
     """Each static setting: one compile, all points x seeds as one batch; outputs written as each
     setting finishes, so an interrupted sweep keeps what it has."""
-    total = sum(len(sweep.points) * config.num_seeds for config in sweep.configs)
-    progress, settings = Progress(total), []
+    total = sum(len(sweep.points) * config.num_seeds * config.num_updates for config in sweep.configs)
+    progress, settings, done_before = Progress(total, quiet=quiet), [], 0
     for i, config in enumerate(sweep.configs):
         keys = np.tile(np.asarray(seed_keys(config)), (len(sweep.points), 1))  # point-major: [p * S + s]
         hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
-        done_before = progress.done
-        progress.show(f"setting {setting_name(i, config)}: compiling")
+        agents = len(sweep.points) * config.num_seeds
+        progress.show(done_before, f"setting {setting_name(i, config)}: compiling")
 
-        def report(done, config=config, i=i, done_before=done_before):
-            progress.done = done_before + done
-            progress.show(f"setting {setting_name(i, config)}")
+        def report(done, metrics, state, config=config, i=i, done_before=done_before, agents=agents):
+            progress.show(done_before + done * agents,
+                          f"setting {setting_name(i, config)}: update {done}/{config.num_updates} x {agents} agents")
 
         result = run_batch(config, keys, hparams, chunk_size, report)
+        progress.end()
+        done_before += agents * config.num_updates
         random_return = random_policy_return(config) if sweep.normalized_score else None
         settings.append(SweepSetting(config, result, random_return))
         if jax.process_index() == 0:
@@ -1686,7 +2036,92 @@ def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0) -> list[SweepSett
 
 
 # ================================================================================================
-# 8. CLI
+# 8. Evaluation: a trained policy on complete episodes, and a GIF of one
+# ================================================================================================
+
+DRAWABLE_ENVS = ("CartPole-v1", "Pendulum-v1", "Acrobot-v1", "MountainCar-v0", "MountainCarContinuous-v0",
+                 "Catch-bsuite", "Asterix-MinAtar", "Breakout-MinAtar", "Freeway-MinAtar", "Seaquest-MinAtar",
+                 "SpaceInvaders-MinAtar", "Pong-misc", "PointRobot-misc", "MetaMaze-misc", "FourRooms-misc")
+
+
+def episode_limit(env: VecEnv) -> int:
+    return int(getattr(env.env_params, "max_steps_in_episode", 10_000))
+
+
+def evaluate(config: Config, policies: Policy, episodes: int, deterministic: bool, seed: int = 0) -> np.ndarray:
+    """Returns [seeds, episodes]: for every seed of `policies` (leaves [seeds, ...]), the raw return
+    of the first episode of each of `episodes` envs (NaN if it did not end within the episode
+    limit). One jitted program: a while loop until every episode has ended, vmapped over seeds."""
+    env = VecEnv(config.env, episodes, config.env_params)
+    network = make_network(config, env)
+
+    def one_seed(policy: Policy, key):
+        reset_key, key = jax.random.split(key)
+        obs, env_state = env.reset(reset_key)
+
+        def step(carry):
+            obs, env_state, key, returns, ended, t = carry
+            key, action_key, step_key, reset_key = jax.random.split(key, 4)
+            dist, _ = network.apply(policy.params, observe(policy.obs_stats, obs, config.hparams))
+            action = dist.mode() if deterministic else dist.sample(action_key)
+            resets = jax.tree.map(lambda x: x[0], env.draw_resets(reset_key, 1))
+            obs, env_state, _, terminated, truncated, info = env.step(
+                jax.random.split(step_key, episodes), env_state, action, resets)
+            done = terminated | truncated
+            returns = jnp.where(done & ~ended, info["episode_return"], returns)
+            return obs, env_state, key, returns, ended | done, t + 1
+
+        unfinished = lambda carry: ~jnp.all(carry[4]) & (carry[5] <= episode_limit(env))  # noqa: E731
+        carry = (obs, env_state, key, jnp.zeros(episodes), jnp.zeros(episodes, bool), 0)
+        _, _, _, returns, ended, _ = jax.lax.while_loop(unfinished, step, carry)
+        return jnp.where(ended, returns, jnp.nan)
+
+    num_seeds = len(policies.obs_stats.count)
+    keys = jax.random.split(jax.random.PRNGKey(seed), num_seeds)
+    return np.asarray(jax.jit(jax.vmap(one_seed))(policies, keys))
+
+
+def render_episode(config: Config, policy: Policy, path: str, deterministic: bool, seed: int = 0) -> int:
+    """Write one episode of `policy` (one seed) as a GIF with gymnax's visualizer; returns its length."""
+    from gymnax.visualize import Visualizer
+
+    env = VecEnv(config.env, 1, config.env_params)
+    network = make_network(config, env)
+    limit = episode_limit(env)
+
+    @jax.jit
+    def episode(key):
+        reset_key, action_key, step_key, resets_key = jax.random.split(key, 4)
+        obs, env_state = env.reset(reset_key)
+        resets = env.draw_resets(resets_key, limit)
+
+        def step(carry, inputs):
+            obs, env_state = carry
+            action_key, step_key, reset = inputs
+            dist, _ = network.apply(policy.params, observe(policy.obs_stats, obs, config.hparams))
+            action = dist.mode() if deterministic else dist.sample(action_key)
+            next_obs, next_state, reward, terminated, truncated, _ = env.step(step_key[None], env_state, action, reset)
+            return (next_obs, next_state), (env_state.env_state, reward[0], (terminated | truncated)[0])
+
+        inputs = (jax.random.split(action_key, limit), jax.random.split(step_key, limit), resets)
+        return jax.lax.scan(step, (obs, env_state), inputs)[1]
+
+    states, rewards, dones = jax.device_get(episode(jax.random.PRNGKey(seed)))
+    length = int(np.argmax(dones)) + 1 if dones.any() else limit
+    frames = [jax.tree.map(lambda x: x[t, 0], states) for t in range(length)]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # gymnasium's classic-control renderer starts pygame:
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # no sound card or display needed
+    temporary = f"{path}.tmp{os.getpid()}.gif"
+    Visualizer(env.env, env.env_params, frames, np.cumsum(rewards[:length])).animate(temporary)
+    os.replace(temporary, path)
+    return length
+
+
+# ================================================================================================
+# 9. CLI
 # ================================================================================================
 
 
@@ -1700,20 +2135,111 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     return tyro.cli(Config, args=argv, default=default_config(env_id), description=__doc__.split("\n\n")[0])
 
 
-def command_line_overrides(argv: Sequence[str], config: Config) -> dict[str, Any]:
-    """The fields that flags set explicitly, with their parsed values (they win over sweep specs)."""
-    overrides = {}
+def explicit_fields(argv: Sequence[str]) -> set[str]:
+    """The Config and HParams fields that flags in argv set explicitly."""
+    names = set()
     for token in argv:
         if not token.startswith("--"):
             continue
         name = token[2:].split("=")[0].replace("-", "_")
         if name.startswith("no_") and name[3:] in STATIC_FIELDS | HPARAM_FIELDS:
             name = name[3:]
-        if name in HPARAM_FIELDS:
-            overrides[name] = getattr(config.hparams, name)
-        elif name in STATIC_FIELDS - RUN_FIELDS:
-            overrides[name] = getattr(config, name)
-    return overrides
+        if name in STATIC_FIELDS | HPARAM_FIELDS:
+            names.add(name)
+    return names
+
+
+def command_line_overrides(argv: Sequence[str], config: Config) -> dict[str, Any]:
+    """The fields that flags set explicitly, with their parsed values (they win over sweep specs)."""
+    return {name: getattr(config.hparams if name in HPARAM_FIELDS else config, name)
+            for name in explicit_fields(argv) if name not in RUN_FIELDS}
+
+
+def load_run_config(run_dir: str, flag_name: str) -> Config:
+    """The Config in RUN_DIR/config.json (written when the run started)."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"{flag_name} {run_dir}: no such directory")
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+        hparams = HParams(**fields.pop("hparams"))
+        for name in ("env_params", "hidden_sizes", "sweep_set"):
+            fields[name] = tuple(fields.get(name, ()))
+        return Config(**fields, hparams=hparams)
+    except FileNotFoundError:
+        raise ConfigError(f"{flag_name} {run_dir}: no config.json there: not a ppo_jax run directory (sweep "
+                          "directories cannot be resumed or evaluated as a whole)") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise ConfigError(f"{flag_name} {run_dir}: config.json is not a ppo_jax config ({error})") from None
+
+
+RESUME_FLAGS = {"resume", "table_rows", "compile_cache", "checkpoint_every", "quiet", "sweep_chunk", "distributed"}
+EVAL_FLAGS = {"eval", "episodes", "deterministic", "render", "params_index", "seed", "compile_cache", "distributed"}
+
+
+def check_flags(argv: Sequence[str], allowed: set[str], flag_name: str, run_dir: str) -> None:
+    extra = sorted(explicit_fields(argv) - allowed)
+    if extra:
+        raise ConfigError(f"{flag_name} {run_dir} uses that run's own config.json: drop "
+                          f"{' '.join(flag(name) for name in extra)} (it may take {' '.join(sorted(map(flag, allowed)))})")
+
+
+def resume_config(cli: Config, argv: Sequence[str]) -> tuple[Config, Checkpoint]:
+    """The run to continue: RUN_DIR's config.json with the run-only flags given now, and its checkpoint."""
+    check_flags(argv, RESUME_FLAGS, "--resume", cli.resume)
+    config = load_run_config(cli.resume, "--resume")
+    given = {name: getattr(cli, name) for name in explicit_fields(argv) & RESUME_FLAGS}
+    config = dataclasses.replace(config, **given, run_dir=cli.resume)
+    validate(config, check_run_dir=False)
+    try:
+        with open(os.path.join(cli.resume, "summary.json")) as f:
+            status = json.load(f).get("status", "")
+    except (OSError, ValueError):
+        status = ""
+    if status.startswith("diverged"):
+        raise ConfigError(f"--resume {cli.resume}: that run {status}; it would diverge again from its last "
+                          "checkpoint. Start a new run (e.g. a lower --lr, or --init-params RUN_DIR/params.msgpack)")
+    checkpoint = load_checkpoint(cli.resume, config)
+    if checkpoint.updates_done >= config.num_updates:
+        raise ConfigError(f"--resume {cli.resume}: that run is complete ({checkpoint.updates_done}/"
+                          f"{config.num_updates} updates): nothing to resume")
+    return config, checkpoint
+
+
+def run_eval(cli: Config, argv: Sequence[str]) -> np.ndarray:
+    """--eval RUN_DIR: evaluate every seed of its params.msgpack; print and return returns [seeds, episodes]."""
+    check_flags(argv, EVAL_FLAGS, "--eval", cli.eval)
+    config = load_run_config(cli.eval, "--eval")
+    validate(dataclasses.replace(config, init_params=None, ref_params=None), check_run_dir=False)
+    if cli.episodes < 1:
+        raise ConfigError(f"--episodes {cli.episodes}: must be a positive integer")
+    if cli.render is not None:
+        if config.env not in DRAWABLE_ENVS:
+            raise ConfigError(f"--render: gymnax cannot draw {config.env}; it can draw {', '.join(DRAWABLE_ENVS)}")
+        if not cli.render.endswith(".gif"):
+            raise ConfigError(f"--render {cli.render}: give a path ending in .gif")
+        if os.path.exists(cli.render):
+            raise ConfigError(f"--render {cli.render} already exists: pick a new path (nothing is overwritten)")
+    env = make_env(config)
+    network = make_network(config, env)
+    policies = read_policies(config, env, network, os.path.join(cli.eval, "params.msgpack"), f"--eval {cli.eval}:")
+    num_seeds = len(policies.obs_stats.count)
+    if not cli.params_index < num_seeds:
+        raise ConfigError(f"--params-index {cli.params_index}: {cli.eval} holds {num_seeds} seed(s)")
+    mode = "deterministic (the policy's mode)" if cli.deterministic else "sampled actions"
+    print(f"ppo_jax eval: {cli.eval} ({config.env}), {num_seeds} seed(s) x {cli.episodes} episodes, {mode}")
+    returns = evaluate(config, policies, cli.episodes, cli.deterministic, cli.seed)
+    for seed, row in enumerate(returns):
+        unfinished = int(np.sum(np.isnan(row)))
+        print(f"  seed {seed}: {np.nanmean(row):.2f} ± {np.nanstd(row):.2f}"
+              + (f"  ({unfinished} episode(s) did not end within {episode_limit(env)} steps)" if unfinished else ""))
+    print(f"return {np.nanmean(returns):.2f} ± {np.nanstd(returns):.2f} over {np.sum(~np.isnan(returns))} complete episodes")
+    if cli.render is not None:
+        policy = jax.tree.map(lambda x: x[cli.params_index], policies)
+        length = render_episode(config, policy, cli.render, cli.deterministic, cli.seed)
+        print(f"rendered seed {cli.params_index}'s episode of {length} steps: {cli.render}")
+    return returns
 
 
 def fail(error: ConfigError):
@@ -1722,8 +2248,8 @@ def fail(error: ConfigError):
 
 
 def main(argv: Sequence[str] | None = None):
-    """The CLI: a single run (returns its RunResult) or, with --sweep/--sweep-set, a sweep (returns
-    its list of SweepSetting)."""
+    """The CLI: a single run (returns its RunResult), a sweep with --sweep/--sweep-set (returns its
+    list of SweepSetting), or --eval (returns the returns [seeds, episodes])."""
     argv = list(sys.argv[1:] if argv is None else argv)
     config = parse_config(argv)
     if config.distributed:
@@ -1731,13 +2257,24 @@ def main(argv: Sequence[str] | None = None):
     if config.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    start = None
     try:
-        if config.sweep or config.sweep_set:
+        eval_only = {"episodes", "deterministic", "render"} & explicit_fields(argv)
+        if eval_only and not config.eval:
+            raise ConfigError(f"{flag(sorted(eval_only)[0])} only applies with --eval RUN_DIR")
+        if config.eval and config.resume:
+            raise ConfigError("--eval and --resume: give one of them")
+        if config.eval:
+            return run_eval(config, argv)
+        if config.resume:
+            config, start = resume_config(config, argv)
+        elif config.sweep or config.sweep_set:
             sweep = load_sweep(config, command_line_overrides(argv, config))
+            if config.run_dir is not None and os.path.exists(config.run_dir):
+                raise ConfigError(f"--run-dir {config.run_dir} already exists: pick a new directory (nothing is "
+                                  "overwritten)")
         else:
             validate(config)
-        if config.run_dir is not None and os.path.exists(config.run_dir):
-            raise ConfigError(f"--run-dir {config.run_dir} already exists: pick a new directory (nothing is overwritten)")
     except ConfigError as error:
         fail(error)
     writer = jax.process_index() == 0
@@ -1750,25 +2287,46 @@ def main(argv: Sequence[str] | None = None):
         if writer:
             with open(os.path.join(run_dir, "sweep.toml"), "w") as f:
                 f.write(resolved_sweep_toml(sweep, config.sweep or "--sweep-set"))
-        settings = run_sweep(sweep, run_dir, config.sweep_chunk)
+        settings = run_sweep(sweep, run_dir, config.sweep_chunk, config.quiet)
         print(f"outputs: {run_dir}/")
         return settings
 
-    run_dir = new_run_dir(config.run_dir, config.env) if writer else None
+    if start is None:
+        run_dir = new_run_dir(config.run_dir, config.env) if writer else None
+        if writer:
+            write_config(run_dir, config)
+    else:
+        run_dir = config.resume if writer else None
     print(f"ppo_jax: {config.env}, {config.num_seeds} seed(s) x {config.num_updates} updates x "
-          f"{config.batch_size} steps ({config.num_envs} envs x {config.num_steps}) on {jax.devices()[0]}")
-    result = run(config)
+          f"{config.batch_size} steps ({config.num_envs} envs x {config.num_steps}) on {jax.devices()[0]}"
+          + (f", resumed at update {start.updates_done}" if start else ""))
+    try:
+        result, status = train_run(config, run_dir, start)
+    except KeyboardInterrupt:  # a second Ctrl-C: the chunk under way is lost, the checkpoint before it stays
+        print(f"\nstopped at once. Continue from the last checkpoint with:\n  python ppo_jax.py --resume {run_dir}",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     if writer:
-        write_outputs(run_dir, config, result)
+        write_outputs(run_dir, config, result, status)
     if config.table_rows:
         print(format_table(result.metrics, config.table_rows))
     finals = final_return(result.metrics)
-    print(f"final return (last 10% of updates): {np.nanmean(finals):.1f}"
-          + (f"  per seed: {' '.join(f'{x:.1f}' for x in finals)}" if len(finals) > 1 else ""))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no episode ended yet
+        print(f"final return (last 10% of updates): {np.nanmean(finals):.1f}"
+              + (f"  per seed: {' '.join(f'{x:.1f}' for x in finals)}" if len(finals) > 1 else ""))
     print(f"compile {result.lower_seconds + result.compile_seconds:.1f} s (lower {result.lower_seconds:.1f} + "
           f"compile {result.compile_seconds:.1f}), run {result.run_seconds:.1f} s, "
           f"{result.steps_per_second:,.0f} env steps/s")
     print(f"outputs: {run_dir}/")
+    if status.startswith("diverged"):
+        print(f"error: the run {status} (non-finite). Kept: the checkpoint of the last finite chunk; params.msgpack "
+              "holds that chunk's policy, if any. Try a lower --lr or --max-grad-norm.", file=sys.stderr)
+        raise SystemExit(1)
+    if status.startswith("interrupted"):
+        print(f"{status} at update {result.metrics['env_steps'].shape[1]}/{config.num_updates}. Continue with:\n"
+              f"  python ppo_jax.py --resume {run_dir}", file=sys.stderr)
+        raise SystemExit(128 + int(signal.Signals[status.split()[-1]]))
     return result
 
 

@@ -503,13 +503,13 @@ def test_cli_tiny_run_writes_every_output(tmp_path, capsys):
             "--run-dir", str(run_dir), "--lr", "1e-3", "--no-anneal-lr"])
     out = capsys.readouterr().out
     assert "env steps/s" in out and "compile" in out
-    assert sorted(os.listdir(run_dir)) == ["config.json", "curve.png", "metrics.csv", "params.msgpack",
-                                           "summary.json"]
+    assert sorted(os.listdir(run_dir)) == ["checkpoint.msgpack", "config.json", "curve.png", "metrics.csv",
+                                           "params.msgpack", "summary.json"]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["hparams"]["lr"] == 1e-3 and config["hparams"]["anneal_lr"] is False
     assert config["hidden_sizes"] == [8]
     lines = (run_dir / "metrics.csv").read_text().splitlines()
-    assert lines[0].startswith("seed,update,env_steps,")
+    assert lines[0].startswith("update,seed,env_steps,")
     assert len(lines) == 1 + 2 * 8  # header + seeds x updates
     params = serialization.msgpack_restore((run_dir / "params.msgpack").read_bytes())
     assert params["params"]["params"]["actor_0"]["kernel"].shape == (2, 4, 8)  # [seeds, obs_dim, width]
@@ -546,6 +546,17 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--kl-target", "0.01"], ["--kl-target", "--kl-coef"]),
     (["--clip-reward", "0"], ["--clip-reward", "inf"]),
     (["--init-params", "/nonexistent/params.msgpack"], ["--init-params", "cannot read"]),
+    (["--num-minibatches", "128", "--num-envs", "1"], ["--num-minibatches", "fewer minibatches"]),
+    (["--update-epochs", "0"], ["--update-epochs", "positive"]),
+    (["--ent-coef", "-0.01"], ["--ent-coef", ">= 0"]),
+    (["--gae-lambda", "-0.1"], ["--gae-lambda", "[0, 1]"]),
+    (["--checkpoint-every", "-5"], ["--checkpoint-every", ">= 0"]),
+    (["--episodes", "10"], ["--episodes", "--eval"]),
+    (["--deterministic"], ["--deterministic", "--eval"]),
+    (["--resume", "/nonexistent/run"], ["--resume", "no such directory"]),
+    (["--eval", "/nonexistent/run"], ["--eval", "no such directory"]),
+    (["--eval", "/tmp", "--resume", "/tmp"], ["--eval", "--resume"]),
+    (["--sweep", "/nonexistent/spec.toml"], ["--sweep", "/nonexistent/spec.toml"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -558,16 +569,200 @@ def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
+# Runs that survive: chunks, checkpoints and resume, signals, the NaN guard, evaluation
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_run_in_chunks_equals_one_program():
+    """run_batch runs init, then chunks of --checkpoint-every updates (the last one shorter, its extra
+    updates skipped by lax.cond): bit-identical to make_train's one scan over all updates."""
+    config = tiny_config(total_timesteps=4 * 32 * 7, hparams=P.HParams(norm_obs=True, scale_reward=True))
+    state, metrics = jax.jit(P.make_train(config))(P.seed_keys(config)[0], config.hparams)
+    for every in (3, 7):  # chunks 3 + 3 + 1 (of a 3-update program), and one chunk
+        result = P.run(dataclasses.replace(config, checkpoint_every=every))
+        for name, value in metrics.items():
+            np.testing.assert_array_equal(result.metrics[name][0], value, err_msg=f"{name}, every {every}")
+        chex.assert_trees_all_equal(jax.tree.map(lambda x: x[0], result.state.params), state.params)
+    assert result.metrics["env_steps"][0, -1] == 7 * 4 * 32
+
+
+def directory_bytes(path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+RESUME_ARGV = ["--total-timesteps", str(4 * 32 * 200), "--num-steps", "32", "--hidden-sizes", "16", "--num-seeds",
+               "2", "--update-epochs", "2", "--norm-obs", "--scale-reward", "--checkpoint-every", "5", "--table-rows", "0"]
+
+
+def test_sigterm_leaves_a_checkpoint_and_the_resumed_run_is_bit_identical(tmp_path, capsys):
+    """A run in a subprocess gets SIGTERM as soon as it reports its first chunk: it finishes the chunk,
+    saves, says how to resume, and exits 143. --resume then ends exactly where an uninterrupted run
+    ends: the same metrics.csv (only appended to), params and checkpoint, byte for byte."""
+    stopped = tmp_path / "stopped"
+    child = subprocess.Popen([sys.executable, "-u", P.__file__, *RESUME_ARGV, "--run-dir", str(stopped)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in child.stdout:  # no sleeping: wait for the first progress line, then signal
+        if "update 5/200" in line:
+            child.send_signal(subprocess.signal.SIGTERM)
+            break
+    child.stdout.read()
+    assert child.wait(timeout=300) == 143
+    err = child.stderr.read()
+    assert f"--resume {stopped}" in err and "SIGTERM" in err
+    config = P.load_run_config(str(stopped), "--resume")
+    checkpoint = P.load_checkpoint(str(stopped), config)
+    assert 5 <= checkpoint.updates_done < 200 and checkpoint.updates_done % 5 == 0
+    assert json.loads((stopped / "summary.json").read_text())["status"] == "interrupted by SIGTERM"
+    before = (stopped / "metrics.csv").read_bytes()
+    assert before.count(b"\n") == 1 + 2 * checkpoint.updates_done
+
+    P.main(["--resume", str(stopped), "--quiet"])
+    assert "resumed at update" in capsys.readouterr().out
+    straight = tmp_path / "straight"
+    P.main([*RESUME_ARGV, "--run-dir", str(straight), "--quiet"])
+    resumed, uninterrupted = directory_bytes(stopped), directory_bytes(straight)
+    assert resumed["metrics.csv"].startswith(before)
+    for name in ("metrics.csv", "params.msgpack", "checkpoint.msgpack"):
+        assert resumed[name] == uninterrupted[name], name
+    assert json.loads(resumed["summary.json"])["status"] == "complete"
+
+
+def test_nan_guard_stops_and_keeps_the_last_finite_checkpoint(tmp_path, monkeypatch, capsys):
+    """Parameters turned NaN inside the program before update 7: the run stops after that chunk,
+    names the update and the first non-finite metric, keeps update 5's checkpoint, and refuses to
+    resume into the same divergence."""
+    update_step = P.update_step
+
+    def poisoned(state, x, **kwargs):
+        poison = jnp.where(state.update == 6, jnp.nan, 1.0)
+        return update_step(state.replace(params=jax.tree.map(lambda p: p * poison, state.params)), x, **kwargs)
+
+    monkeypatch.setattr(P, "update_step", poisoned)
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        P.main(["--total-timesteps", str(4 * 32 * 20), "--num-steps", "32", "--hidden-sizes", "16",
+                "--checkpoint-every", "5", "--run-dir", str(run_dir), "--quiet"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "diverged at update 7, seed 0: policy_loss = nan" in err
+    config = P.load_run_config(str(run_dir), "--resume")
+    checkpoint = P.load_checkpoint(str(run_dir), config)
+    assert checkpoint.updates_done == 5
+    assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(checkpoint.state))
+    params = serialization.msgpack_restore((run_dir / "params.msgpack").read_bytes())
+    chex.assert_trees_all_equal(params["params"], jax.tree.map(np.asarray, checkpoint.state.params))
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 10 and rows[-1].startswith("10,") and "nan" in rows[7]  # the bad chunk is shown
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as exit_info:
+        P.main(["--resume", str(run_dir)])
+    assert exit_info.value.code == 2 and "diverge again" in capsys.readouterr().err
+
+
+def test_nan_guard_reads_the_metrics_in_order():
+    metrics = {name: np.zeros((2, 6), np.float32) for name in P.GUARDED_METRICS}
+    assert P.first_nonfinite(metrics) is None
+    metrics["grad_norm"][1, 4] = np.inf
+    metrics["param_norm"][0, 3] = np.nan
+    assert P.first_nonfinite(metrics) == "update 4, seed 0: param_norm = nan"
+    assert P.first_nonfinite(metrics, start=4) == "update 5, seed 1: grad_norm = inf"
+
+
+def test_bad_resume_and_eval_inputs_are_one_line_and_change_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    P.main(["--total-timesteps", "1024", "--num-steps", "32", "--hidden-sizes", "8", "--run-dir", str(run_dir),
+            "--quiet"])
+    corrupt, foreign, no_checkpoint = tmp_path / "corrupt", tmp_path / "foreign", tmp_path / "no_checkpoint"
+    for copy in (corrupt, foreign, no_checkpoint):
+        copy.mkdir()
+        for name, data in directory_bytes(run_dir).items():
+            (copy / name).write_bytes(data)
+    (corrupt / "checkpoint.msgpack").write_bytes(b"\x93garbage")
+    config = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**config, "hidden_sizes": [16]}))
+    (no_checkpoint / "checkpoint.msgpack").unlink()
+    (tmp_path / "taken.gif").write_bytes(b"mine")
+    cases = [
+        (["--resume", str(run_dir)], ["complete", "nothing to resume"]),
+        (["--resume", str(run_dir), "--lr", "0.1"], ["--resume", "drop --lr"]),
+        (["--resume", str(corrupt)], ["corrupt"]),
+        (["--resume", str(foreign)], ["--hidden-sizes", "[8]", "[16]"]),
+        (["--resume", str(no_checkpoint)], ["cannot read checkpoint.msgpack"]),
+        (["--resume", str(tmp_path)], ["no config.json"]),
+        (["--eval", str(run_dir), "--render", str(tmp_path / "taken.gif")], ["--render", "already exists"]),
+        (["--eval", str(run_dir), "--render", str(tmp_path / "out.mp4")], ["--render", ".gif"]),
+        (["--eval", str(run_dir), "--episodes", "0"], ["--episodes", "positive"]),
+        (["--eval", str(foreign)], ["--eval", "shape"]),
+    ]
+    before = directory_bytes(tmp_path)
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            P.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (argv, err)
+        for word in words:
+            assert word in err, (argv, word, err)
+    assert directory_bytes(tmp_path) == before
+
+
+def test_eval_returns_equal_a_python_loop_and_render_writes_the_episode(tmp_path, capsys):
+    """--eval --deterministic against stepping gymnax's CartPole in plain Python with the argmax
+    action from the same initial states; --render writes a GIF of one episode, frame by frame. (An
+    almost untrained policy: its episodes are short, so float32 rounding differences between the
+    compiled program and Python's op-by-op steps cannot add up to a different episode end.)"""
+    from PIL import Image
+
+    run_dir = tmp_path / "run"
+    P.main(["--total-timesteps", "128", "--num-steps", "32", "--hidden-sizes", "8", "--num-seeds", "2",
+            "--run-dir", str(run_dir), "--quiet"])
+    returns = P.main(["--eval", str(run_dir), "--episodes", "3", "--deterministic", "--seed", "5",
+                      "--render", str(tmp_path / "episode.gif"), "--params-index", "1"])
+    out = capsys.readouterr().out
+    assert returns.shape == (2, 3) and "±" in out and "rendered seed 1" in out
+
+    config = P.load_run_config(str(run_dir), "--eval")
+    env = P.make_env(dataclasses.replace(config, num_envs=3))
+    network = P.make_network(config, env)
+    policies = P.read_policies(config, env, network, str(run_dir / "params.msgpack"), "test")
+    for seed, key in enumerate(jax.random.split(jax.random.PRNGKey(5), 2)):
+        policy = jax.tree.map(lambda x: x[seed], policies)
+        _, env_state = env.reset(jax.random.split(key)[0])
+        for episode in range(3):
+            state = jax.tree.map(lambda x: x[episode], env_state.env_state)
+            total, done = 0.0, False
+            while not done:
+                obs = env.env.get_obs(state, env.env_params)
+                dist, _ = network.apply(policy.params, jnp.asarray(obs, jnp.float32)[None])
+                _, state, reward, terminated, _ = env.env.step_env(
+                    jax.random.PRNGKey(0), state, int(dist.mode()[0]), env.env_params)
+                total += float(reward)
+                done = bool(terminated) or bool(env.env.is_truncated(state, env.env_params))
+            assert returns[seed, episode] == total, (seed, episode)
+
+    frames = Image.open(tmp_path / "episode.gif").n_frames
+    assert 1 <= frames <= 500 and frames == int(re_search(r"episode of (\d+) steps", out))
+
+
+def re_search(pattern: str, text: str) -> str:
+    import re
+
+    return re.search(pattern, text).group(1)
+
+
+# ------------------------------------------------------------------------------------------------
 # Learning (slow: about a minute each on 2 cores). Skip with -k "not learns".
 # ------------------------------------------------------------------------------------------------
 
 
-def test_learns_cartpole_classic_config():
-    config = dataclasses.replace(P.default_config("CartPole-v1"), num_seeds=2)
-    result = P.run(config)
+def test_learns_cartpole_classic_config_and_eval_confirms_it(tmp_path):
+    """The default CLI run, 2 seeds; then --eval --deterministic of its final policies."""
+    result = P.main(["--num-seeds", "2", "--run-dir", str(tmp_path / "run"), "--quiet"])
     finals = P.final_return(result.metrics)
     print(f"CartPole-v1 final return per seed: {finals}")
     assert np.all(finals >= 475), finals
+    returns = P.main(["--eval", str(tmp_path / "run"), "--episodes", "20", "--deterministic"])
+    print(f"CartPole-v1 deterministic eval per seed: {returns.mean(axis=1)}")
+    assert np.all(returns.mean(axis=1) >= 475), returns
 
 
 def test_learns_pendulum():
