@@ -206,7 +206,8 @@ class Config:
     checkpoint_every: int = 0
     """Updates per chunk. A run is a loop of one compiled program over chunks of updates; after each
     chunk, metrics.csv gets its rows, the checkpoint is saved (atomically) and the progress line
-    moves. 0: about 20 chunks per run. Results do not depend on it (they are bit-identical)."""
+    moves. 0: about 20 chunks per run. Splitting a run does not change its results (bit-identical in
+    the tests); --resume keeps the run's own value unless given another."""
     resume: str | None = None
     """Continue the run in this run directory from its last checkpoint, with its own config.json:
     the result is bit-identical to an uninterrupted run."""
@@ -528,7 +529,7 @@ class ActorCritic(nn.Module):
 
         if self.image_shape is not None:  # observations are flat everywhere else: [..., H, W, C] here
             # A 3x3 'SAME' convolution written as its 3x3 patches times a [9C, 16] kernel. Speed: on
-            # CPU, XLA's convolution gradient was ~5x slower than this one matmul (the patches are of
+            # CPU, XLA's convolution gradient was ~4x slower than this one matmul (the patches are of
             # the observation, so they need no gradient).
             image = obs.reshape(-1, *self.image_shape)
             patches = jax.lax.conv_general_dilated_patches(image, (3, 3), (1, 1), "SAME",
