@@ -359,6 +359,10 @@ class VecEnv:
         zeros = jnp.zeros(self.num_envs, jnp.float32)
         return obs, EnvState(env_state, zeros, jnp.zeros(self.num_envs, jnp.int32))
 
+    def episode_limit(self, default: int = 10_000) -> int:
+        """The env's time limit in steps (`default` for an env without one)."""
+        return int(getattr(self.env_params, "max_steps_in_episode", default))
+
     def draw_resets(self, key, num_steps: int):
         """Fresh starts for every env at each of num_steps steps, in one vectorised call:
         (flat obs [num_steps, N, obs_dim], gymnax states [num_steps, N])."""
@@ -1063,6 +1067,11 @@ def validate_hparams(h: HParams, where: str = "") -> None:
             "give a starting beta, e.g. --kl-coef 1")
 
 
+def check_run_dir_is_new(run_dir: str | None) -> None:
+    if run_dir is not None and os.path.exists(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} already exists: pick a new directory (nothing is overwritten)")
+
+
 FIELD_ZERO = {"table_rows": "no table", "sweep_chunk": "all agents at once", "checkpoint_every": "about 20 chunks"}
 
 
@@ -1100,8 +1109,8 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
     validate_hparams(config.hparams)
     if config.params_index < 0:
         raise ConfigError(f"--params-index {config.params_index}: must be >= 0")
-    if check_run_dir and config.run_dir is not None and os.path.exists(config.run_dir):
-        raise ConfigError(f"--run-dir {config.run_dir} already exists: pick a new directory (nothing is overwritten)")
+    if check_run_dir:
+        check_run_dir_is_new(config.run_dir)
     if config.init_params or config.ref_params:
         env = make_env(config)
         network = make_network(config, env)
@@ -1563,7 +1572,7 @@ def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> f
     scores), over one episode limit's worth of steps in num_envs envs."""
     env = VecEnv(config.env, num_envs, config.env_params)
     space = env.env.action_space(env.env_params)
-    steps = min(int(getattr(env.env_params, "max_steps_in_episode", 1000)), 2000) + 1
+    steps = min(env.episode_limit(default=1000), 2000) + 1
 
     def step(env_state, inputs):
         action_keys, step_keys, reset = inputs
@@ -2075,8 +2084,10 @@ DRAWABLE_ENVS = ("CartPole-v1", "Pendulum-v1", "Acrobot-v1", "MountainCar-v0", "
                  "SpaceInvaders-MinAtar", "Pong-misc", "PointRobot-misc", "MetaMaze-misc", "FourRooms-misc")
 
 
-def episode_limit(env: VecEnv) -> int:
-    return int(getattr(env.env_params, "max_steps_in_episode", 10_000))
+def act(network: ActorCritic, policy: Policy, raw_obs, hparams: HParams, deterministic: bool, key):
+    """A saved policy's action: its mode (argmax; the Gaussian's mean) or a sample."""
+    dist, _ = network.apply(policy.params, observe(policy.obs_stats, raw_obs, hparams))
+    return dist.mode() if deterministic else dist.sample(key)
 
 
 def evaluate(config: Config, policies: Policy, episodes: int, deterministic: bool, seed: int = 0) -> np.ndarray:
@@ -2093,8 +2104,7 @@ def evaluate(config: Config, policies: Policy, episodes: int, deterministic: boo
         def step(carry):
             obs, env_state, key, returns, ended, t = carry
             key, action_key, step_key, reset_key = jax.random.split(key, 4)
-            dist, _ = network.apply(policy.params, observe(policy.obs_stats, obs, config.hparams))
-            action = dist.mode() if deterministic else dist.sample(action_key)
+            action = act(network, policy, obs, config.hparams, deterministic, action_key)
             resets = jax.tree.map(lambda x: x[0], env.draw_resets(reset_key, 1))
             obs, env_state, _, terminated, truncated, info = env.step(
                 jax.random.split(step_key, episodes), env_state, action, resets)
@@ -2102,7 +2112,7 @@ def evaluate(config: Config, policies: Policy, episodes: int, deterministic: boo
             returns = jnp.where(done & ~ended, info["episode_return"], returns)
             return obs, env_state, key, returns, ended | done, t + 1
 
-        unfinished = lambda carry: ~jnp.all(carry[4]) & (carry[5] <= episode_limit(env))  # noqa: E731
+        unfinished = lambda carry: ~jnp.all(carry[4]) & (carry[5] <= env.episode_limit())  # noqa: E731
         carry = (obs, env_state, key, jnp.zeros(episodes), jnp.zeros(episodes, bool), 0)
         _, _, _, returns, ended, _ = jax.lax.while_loop(unfinished, step, carry)
         return jnp.where(ended, returns, jnp.nan)
@@ -2118,7 +2128,7 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
 
     env = VecEnv(config.env, 1, config.env_params)
     network = make_network(config, env)
-    limit = episode_limit(env)
+    limit = env.episode_limit()
 
     @jax.jit
     def episode(key):
@@ -2129,8 +2139,7 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
         def step(carry, inputs):
             obs, env_state = carry
             action_key, step_key, reset = inputs
-            dist, _ = network.apply(policy.params, observe(policy.obs_stats, obs, config.hparams))
-            action = dist.mode() if deterministic else dist.sample(action_key)
+            action = act(network, policy, obs, config.hparams, deterministic, action_key)
             next_obs, next_state, reward, terminated, truncated, _ = env.step(step_key[None], env_state, action, reset)
             return (next_obs, next_state), (env_state.env_state, reward[0], (terminated | truncated)[0])
 
@@ -2264,7 +2273,7 @@ def run_eval(cli: Config, argv: Sequence[str]) -> np.ndarray:
     for seed, row in enumerate(returns):
         unfinished = int(np.sum(np.isnan(row)))
         print(f"  seed {seed}: {np.nanmean(row):.2f} ± {np.nanstd(row):.2f}"
-              + (f"  ({unfinished} episode(s) did not end within {episode_limit(env)} steps)" if unfinished else ""))
+              + (f"  ({unfinished} episode(s) did not end within {env.episode_limit()} steps)" if unfinished else ""))
     print(f"return {np.nanmean(returns):.2f} ± {np.nanstd(returns):.2f} over {np.sum(~np.isnan(returns))} complete episodes")
     if cli.render is not None:
         policy = jax.tree.map(lambda x: x[cli.params_index], policies)
@@ -2301,9 +2310,7 @@ def main(argv: Sequence[str] | None = None):
             config, start = resume_config(config, argv)
         elif config.sweep or config.sweep_set:
             sweep = load_sweep(config, command_line_overrides(argv, config))
-            if config.run_dir is not None and os.path.exists(config.run_dir):
-                raise ConfigError(f"--run-dir {config.run_dir} already exists: pick a new directory (nothing is "
-                                  "overwritten)")
+            check_run_dir_is_new(config.run_dir)
         else:
             validate(config)
     except ConfigError as error:
