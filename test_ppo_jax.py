@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -771,13 +772,7 @@ def test_eval_returns_equal_a_python_loop_and_render_writes_the_episode(tmp_path
             assert returns[seed, episode] == total, (seed, episode)
 
     frames = Image.open(tmp_path / "episode.gif").n_frames
-    assert 1 <= frames <= 500 and frames == int(re_search(r"episode of (\d+) steps", out))
-
-
-def re_search(pattern: str, text: str) -> str:
-    import re
-
-    return re.search(pattern, text).group(1)
+    assert 1 <= frames <= 500 and frames == int(re.search(r"episode of (\d+) steps", out).group(1))
 
 
 # ------------------------------------------------------------------------------------------------
