@@ -76,7 +76,7 @@ def references(env_id: str, num_envs: int, steps: int, repeats: int):
                 obs, state, key = carry
                 key, action_key, step_key = jax.random.split(key, 3)
                 if with_network:
-                    dist, _ = network.apply(params, env._flat(obs))
+                    _, dist, _ = network.apply(params, env._flat(obs))
                     action = dist.sample(action_key)
                 else:
                     space = env.env.action_space(env.env_params)

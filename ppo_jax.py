@@ -67,6 +67,8 @@ import optax  # noqa: E402
 import tyro  # noqa: E402
 from flax import serialization, struct  # noqa: E402
 from gymnax.environments import spaces  # noqa: E402
+from gymnax.environments.environment import EnvParams as GymnaxEnvParams  # noqa: E402
+from gymnax.environments.environment import EnvState as GymnaxEnvState  # noqa: E402
 from gymnax.environments.environment import Environment as GymnaxEnvironment  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
@@ -149,9 +151,11 @@ class Config:
 
     env: str = "CartPole-v1"
     """gymnax environment id (e.g. CartPole-v1, Pendulum-v1, Acrobot-v1, MountainCarContinuous-v0,
-    Breakout-MinAtar, Catch-bsuite). The defaults shown by --help are that env's defaults."""
+    Breakout-MinAtar, MemoryChain-bsuite), or brax:NAME (brax:ant, brax:hopper, brax:inverted_pendulum,
+    ...; needs requirements-brax.txt). The defaults shown by --help are that env's defaults."""
     env_params: tuple[str, ...] = ()
-    """Override the env's gymnax EnvParams, e.g. --env-params gravity=12.0 max_steps_in_episode=200."""
+    """Override the env's gymnax EnvParams, e.g. --env-params gravity=12.0 max_steps_in_episode=200
+    (Brax: max_steps_in_episode, default 1000, and backend=generalized|positional|spring|mjx)."""
     total_timesteps: int = 500_000
     """Environment steps per seed (rounded down to a whole number of updates)."""
     num_envs: int = 4
@@ -173,6 +177,13 @@ class Config:
     (H x W x C, e.g. MinAtar's 10 x 10 x C), flattened and shared by actor and critic (the PPO
     paper's Atari setup), then the --hidden-sizes layers; mlp: only the --hidden-sizes layers, on
     the flattened observation; auto: cnn for image observations, mlp otherwise."""
+    recurrent: Literal["none", "gru"] = "none"
+    """A memory. gru: a GRU of --recurrent-size units between the torso and the --hidden-sizes
+    layers, shared by actor and critic, its state reset to zero where an episode begins. The rollout
+    keeps each env's state, and minibatches are whole env sequences (--num-minibatches must divide
+    --num-envs), replayed from the state the rollout started with."""
+    recurrent_size: int = 128
+    """Units of the --recurrent GRU."""
     init_params: str | None = None
     """Start from the policy (params and observation statistics) in this params.msgpack."""
     ref_params: str | None = None
@@ -258,7 +269,15 @@ MINATAR: dict[str, Any] = dict(  # a shared conv + 128 torso, many envs (PPO pap
     num_minibatches=8,
     hidden_sizes=(128,),
     shared_trunk=True,
-    hparams=dict(lr=5e-4),
+    hparams=dict(lr=5e-4, ent_coef=0.03),  # Breakout at 1e7 steps: 23.1 with 0.03, 11.5 with 0.01 (README)
+)
+BRAX: dict[str, Any] = dict(  # the PPO paper's MuJoCo setup (Table 3), spread over many parallel envs as Brax runs it
+    total_timesteps=50_000_000,
+    num_envs=2048,
+    num_steps=16,
+    update_epochs=4,
+    num_minibatches=32,
+    hparams=dict(lr=3e-4, gamma=0.99, ent_coef=0.0, norm_obs=True, scale_reward=True),
 )
 ENV_DEFAULTS: dict[str, dict[str, Any]] = {
     "CartPole-v1": CLASSIC_DISCRETE,
@@ -271,7 +290,12 @@ ENV_DEFAULTS: dict[str, dict[str, Any]] = {
 
 def default_config(env_id: str) -> Config:
     """The Config a user gets for `--env env_id` before any other flag."""
-    overrides = MINATAR if env_id.endswith("-MinAtar") else ENV_DEFAULTS.get(env_id)
+    if env_id.startswith(BRAX_PREFIX):
+        overrides = BRAX
+    elif env_id.endswith("-MinAtar"):
+        overrides = MINATAR
+    else:
+        overrides = ENV_DEFAULTS.get(env_id)
     if overrides is None:  # any other gymnax env: pick by its action space
         if env_id not in gymnax.registered_envs:
             return Config(env=env_id)  # validate() reports the unknown id
@@ -296,19 +320,109 @@ class EnvState:
 
 
 def override_env_params(env_params, overrides: Sequence[str]):
-    """Apply "name=value" overrides to a gymnax EnvParams, keeping each field's type."""
+    """Apply "name=value" overrides to a gymnax EnvParams, keeping each field's type (number or string)."""
     fields = {field.name: getattr(env_params, field.name) for field in dataclasses.fields(env_params)}
     changes = {}
     for item in overrides:
         name, _, text = item.partition("=")
         if name not in fields or not text:
             raise ConfigError(f"--env-params {item!r}: give name=value with a name from {sorted(fields)}")
-        kind = type(fields[name]) if isinstance(fields[name], bool | int | float) else float
+        kind = type(fields[name]) if isinstance(fields[name], bool | int | float | str) else float
         try:
             changes[name] = text.lower() in ("1", "true") if kind is bool else kind(text)
         except ValueError:
             raise ConfigError(f"--env-params {item!r}: {name} needs a {kind.__name__} value") from None
     return env_params.replace(**changes)
+
+
+# --- Brax (optional): `--env brax:NAME` -----------------------------------------------------------
+# A Brax env seen through gymnax's interface, so VecEnv and everything after it treat it as any other
+# continuous-control env. brax is imported only here, only when asked for.
+
+BRAX_PREFIX = "brax:"
+BRAX_BACKENDS = ("generalized", "positional", "spring", "mjx")
+BRAX_INSTALL = "pip install -r requirements-brax.txt"
+
+
+@struct.dataclass
+class BraxEnvParams(GymnaxEnvParams):
+    max_steps_in_episode: int = 1000  # the time limit: truncation, flagged apart from termination
+    backend: str = struct.field(pytree_node=False, default="generalized")  # Brax's physics pipeline
+
+
+@struct.dataclass
+class BraxEnvState(GymnaxEnvState):  # and gymnax's `time`: steps since the reset
+    brax: Any = None  # brax.envs.State: the physics state, obs, reward, done
+
+
+class BraxEnv(GymnaxEnvironment):
+    """A raw Brax env (no Brax wrappers): Brax's `done` is the termination (e.g. a fallen hopper); the
+    time limit is gymnax's (state.time >= max_steps_in_episode: truncation), and resets are VecEnv's,
+    so the final observation is kept and truncation bootstraps. Actions are in [-1, 1]."""
+
+    def __init__(self, name: str, backend: str):
+        super().__init__()
+        from brax import envs as brax_envs  # the optional dependency
+
+        self.brax_name = name
+        self.brax_env = brax_envs.get_environment(name, backend=backend)
+
+    @property
+    def default_params(self) -> BraxEnvParams:
+        return BraxEnvParams()
+
+    def reset_env(self, key, params):
+        state = self.brax_env.reset(key)
+        return state.obs, BraxEnvState(brax=state, time=jnp.zeros((), jnp.int32))
+
+    def step_env(self, key, state, action, params):
+        brax_state = self.brax_env.step(state.brax, action)
+        next_state = BraxEnvState(brax=brax_state, time=state.time + 1)
+        return brax_state.obs, next_state, brax_state.reward, brax_state.done > 0.5, {}
+
+    @property
+    def name(self) -> str:
+        return BRAX_PREFIX + self.brax_name
+
+    def action_space(self, params=None):
+        return spaces.Box(-1.0, 1.0, (self.brax_env.action_size,), jnp.float32)
+
+    def observation_space(self, params):
+        return spaces.Box(-jnp.inf, jnp.inf, (self.brax_env.observation_size,), jnp.float32)
+
+
+def brax_names() -> list[str]:
+    from brax import envs as brax_envs
+
+    return sorted(brax_envs._envs)  # Brax's registry has no public listing
+
+
+def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
+    """(env, env_params) for a gymnax id or `brax:NAME`, with the --env-params overrides applied."""
+    if env_id.startswith(BRAX_PREFIX):
+        params = override_env_params(BraxEnvParams(), overrides)
+        return BraxEnv(env_id[len(BRAX_PREFIX):], params.backend), params
+    env, params = gymnax.make(env_id)
+    return env, override_env_params(params, overrides)
+
+
+def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
+    """Raise ConfigError for an unknown env id, a missing brax, or an unknown Brax backend."""
+    if env_id.startswith(BRAX_PREFIX):
+        try:
+            names = brax_names()
+        except ImportError:
+            raise ConfigError(f"--env {env_id} needs brax, which is not installed: {BRAX_INSTALL}") from None
+        if env_id[len(BRAX_PREFIX):] not in names:
+            raise ConfigError(f"--env {env_id!r}: Brax has no such env; it has "
+                              f"{', '.join(BRAX_PREFIX + name for name in names)}")
+        backend = override_env_params(BraxEnvParams(), overrides).backend
+        if backend not in BRAX_BACKENDS:
+            raise ConfigError(f"--env-params backend={backend}: Brax's backends are {', '.join(BRAX_BACKENDS)}")
+    elif env_id not in gymnax.registered_envs:
+        close = difflib.get_close_matches(env_id, gymnax.registered_envs, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, or brax:NAME"
+        raise ConfigError(f"--env {env_id!r} is not a gymnax environment: {hint}")
 
 
 class VecEnv:
@@ -323,12 +437,13 @@ class VecEnv:
     draws for all its steps in one vectorised call (`draw_resets`). Same semantics: where an episode
     ends, the next observation is a fresh start and `info["final_observation"]` the one before it.
     An env that overrides gymnax's `step` (bsuite's DeepSea keeps metrics across resets) is stepped
-    through its own `step` instead.
+    through its own `step` instead. A Brax env's reset builds a physics state, too costly to draw for
+    every step: `resets` are then reset keys, and the envs are reset on the steps where one ended.
     """
 
     def __init__(self, env_id: str, num_envs: int, env_params: Sequence[str] = ()):
-        self.env, self.env_params = gymnax.make(env_id)
-        self.env_params = override_env_params(self.env_params, env_params)
+        self.env, self.env_params = make_gymnax(env_id, env_params)
+        self.lazy_resets = isinstance(self.env, BraxEnv)
         self.num_envs = num_envs
         action_space = self.env.action_space(self.env_params)
         self.discrete = isinstance(action_space, spaces.Discrete)
@@ -365,8 +480,10 @@ class VecEnv:
 
     def draw_resets(self, key, num_steps: int):
         """Fresh starts for every env at each of num_steps steps, in one vectorised call:
-        (flat obs [num_steps, N, obs_dim], gymnax states [num_steps, N])."""
-        return self._reset(jax.random.split(key, (num_steps, self.num_envs)))
+        (flat obs [num_steps, N, obs_dim], gymnax states [num_steps, N]); with lazy resets (Brax),
+        only their keys [num_steps, N]."""
+        keys = jax.random.split(key, (num_steps, self.num_envs))
+        return keys if self.lazy_resets else self._reset(keys)
 
     def step(self, keys, state: EnvState, action, resets):
         """keys: [N] keys for the env's own randomness; action: [N] int32 (discrete) or
@@ -391,7 +508,11 @@ class VecEnv:
         done = terminated | truncated
         if not self.own_step:  # where an episode ended, continue from the drawn fresh start
             select = jax.vmap(lambda d, fresh, old: jax.tree.map(lambda a, b: jax.lax.select(d, a, b), fresh, old))
-            obs, env_state = select(done, resets, (obs, env_state))
+            if self.lazy_resets:  # reset only on steps where some episode ended (under vmap: always)
+                reset_ended = lambda: select(done, self._reset(resets), (obs, env_state))  # noqa: E731
+                obs, env_state = jax.lax.cond(jnp.any(done), reset_ended, lambda: (obs, env_state))
+            else:
+                obs, env_state = select(done, resets, (obs, env_state))
         episode_return = state.episode_return + reward
         episode_length = state.episode_length + 1
         info = {
@@ -504,11 +625,53 @@ def orthogonal(scale: float):
     return init
 
 
+class GRU(nn.Module):
+    """A GRU (Cho et al., 2014; the form of cuDNN and PyTorch, the reset gate applied after the
+    recurrent matmul) over a time-major sequence, its state set to zero where an episode begins:
+        h  = 0 where first_t, else h_{t-1}
+        r  = sigmoid(W_r x_t + b_r + U_r h + c_r),   z = sigmoid(W_z x_t + b_z + U_z h + c_z)
+        n  = tanh(W_n x_t + b_n + r * (U_n h + c_n)),   h_t = (1 - z) * n + z * h
+    The input projection of every step is one matmul before the scan (speed): only U h is sequential."""
+
+    size: int
+    kernel_init: Any
+
+    @nn.compact
+    def __call__(self, inputs, first, hidden):  # [T, B, D], [T, B] bool, [B, H] -> states after each step [T, B, H]
+        size = self.size
+        projected = nn.Dense(3 * size, kernel_init=self.kernel_init, name="input")(inputs)  # [T, B, 3H]: W x + b
+
+        def blocks(key, shape):  # U_r, U_z, U_n each initialised on its own (each orthogonal when that is the init)
+            return jnp.concatenate([self.kernel_init(k, (size, size)) for k in jax.random.split(key, 3)], axis=-1)
+
+        recurrent_kernel = self.param("recurrent_kernel", blocks, (size, 3 * size))
+        recurrent_bias = self.param("recurrent_bias", nn.initializers.zeros, (3 * size,))
+
+        def step(h, inputs):
+            x, first = inputs
+            h = jnp.where(first[:, None], 0.0, h)
+            u = h @ recurrent_kernel + recurrent_bias
+            r = nn.sigmoid(x[:, :size] + u[:, :size])
+            z = nn.sigmoid(x[:, size:2 * size] + u[:, size:2 * size])
+            n = jnp.tanh(x[:, 2 * size:] + r * u[:, 2 * size:])
+            h = (1.0 - z) * n + z * h
+            return h, h
+
+        return jax.lax.scan(step, hidden, (projected, first))[1]
+
+
 class ActorCritic(nn.Module):
     """Actor and critic MLPs (separate, or one shared trunk), after a shared conv torso when
-    image_shape is given. Orthogonal init: sqrt(2) on hidden and conv layers, 0.01 on the policy
-    head (a near-uniform initial policy), 1.0 on the value head, zero biases; with
-    orthogonal_init=False, flax's default (LeCun normal kernels, zero biases)."""
+    image_shape is given and a shared GRU when recurrent_size > 0. Orthogonal init: sqrt(2) on
+    hidden and conv layers, 0.01 on the policy head (a near-uniform initial policy), 1.0 on the
+    value head and the GRU, zero biases; with orthogonal_init=False, flax's default (LeCun normal
+    kernels, zero biases).
+
+    Called as network.apply(params, obs, first, hidden) -> (hiddens, distribution, values). A
+    feedforward network takes obs of any leading shape [...] and ignores first and hidden (its
+    hiddens are [..., 0]). A recurrent one takes time-major sequences: obs [T, B, obs_dim], first
+    [T, B] (the step begins an episode: reset), hidden [B, H] (the state before step 0), and
+    returns the state after each step [T, B, H]. policy_step() is the one-step form of both."""
 
     action_dim: int
     discrete: bool
@@ -517,9 +680,10 @@ class ActorCritic(nn.Module):
     shared_trunk: bool = False
     orthogonal_init: bool = True
     image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over the observation
+    recurrent_size: int = 0  # > 0: a GRU of this many units after the torso
 
     @nn.compact
-    def __call__(self, obs):  # obs: [..., obs_dim] -> (distribution over [...] actions, values [...])
+    def __call__(self, obs, first=None, hidden=None):  # -> (hiddens, distribution over [...] actions, values [...])
         activation = {"tanh": nn.tanh, "relu": nn.relu}[self.activation]
         init = orthogonal if self.orthogonal_init else lambda scale: nn.initializers.lecun_normal()
 
@@ -540,14 +704,30 @@ class ActorCritic(nn.Module):
                                                            dimension_numbers=("NHWC", "OIHW", "NHWC"))
             features = nn.relu(dense(16, math.sqrt(2.0), "conv")(patches))  # [B, H, W, 16]
             obs = features.reshape(*obs.shape[:-1], -1)  # [..., H * W * 16]
+        if self.recurrent_size:
+            obs = hiddens = GRU(self.recurrent_size, init(1.0), name="gru")(obs, first, hidden)
+        else:
+            hiddens = jnp.zeros((*obs.shape[:-1], 0), jnp.float32)
         actor_features = trunk(obs, "trunk" if self.shared_trunk else "actor")
         critic_features = actor_features if self.shared_trunk else trunk(obs, "critic")
         policy_out = dense(self.action_dim, 0.01, "policy_head")(actor_features)
         values = dense(1, 1.0, "value_head")(critic_features)[..., 0]
         if self.discrete:
-            return Categorical(policy_out), values
+            return hiddens, Categorical(policy_out), values
         log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
-        return DiagGaussian(policy_out, jnp.broadcast_to(log_std, policy_out.shape)), values
+        return hiddens, DiagGaussian(policy_out, jnp.broadcast_to(log_std, policy_out.shape)), values
+
+
+def policy_step(network: ActorCritic, params, obs, first, hidden):
+    """One step for a batch of envs, recurrent or not: obs [B, obs_dim], first [B] (bool), hidden
+    [B, H] -> (hidden after the step [B, H], distribution over [B] actions, values [B])."""
+    hiddens, dist, values = network.apply(params, obs[None], first[None], hidden)
+    return hiddens[0], jax.tree.map(lambda x: x[0], dist), values[0]
+
+
+def initial_hidden(network: ActorCritic, batch: int):
+    """The recurrent state of `batch` envs before anything is seen: zeros [batch, H] (H = 0 when feedforward)."""
+    return jnp.zeros((batch, network.recurrent_size), jnp.float32)
 
 
 @struct.dataclass
@@ -660,11 +840,13 @@ class TrainState:
     opt_state: Any
     env_state: EnvState
     obs: jax.Array  # [N, obs_dim] the raw observation each env is in now
+    hidden: jax.Array  # [N, H] each env's recurrent state after its last step (H = 0: feedforward)
     obs_stats: RunningStats  # of raw observations, over all envs
     reward_stats: RunningStats  # of the per-env discounted return (for --scale-reward)
     discounted_return: jax.Array  # [N]
     kl_coef: jax.Array  # PPO-Penalty's beta, adapted after each update
     reference: Policy  # the frozen pi_ref of the KL leash
+    ref_hidden: jax.Array  # [N, H] pi_ref's recurrent state (a recurrent reference has its own memory)
     key: jax.Array
     update: jax.Array  # updates done so far (int32)
 
@@ -672,6 +854,8 @@ class TrainState:
 @struct.dataclass
 class Transition:  # every field time-major [T, N, ...]
     obs: jax.Array  # as the network saw it (normalised when --norm-obs)
+    first: jax.Array  # the step begins an episode (the recurrent state is reset before it)
+    hidden: jax.Array  # [T, N, H] the recurrent state after the step
     action: jax.Array  # as sampled (unclipped)
     log_prob: jax.Array
     dist: Any  # the behaviour policy's distribution (for the exact KL of PPO-Penalty)
@@ -687,8 +871,10 @@ class Transition:  # every field time-major [T, N, ...]
 
 
 @struct.dataclass
-class Batch:  # flat [B, ...]
+class Batch:  # flat [B, ...]; recurrent: time-major [T, N, ...], whole env sequences
     obs: jax.Array
+    first: jax.Array | None  # recurrent only: [T, N] reset flags
+    hidden: jax.Array | None  # recurrent only: [N, H] the state each sequence starts from
     action: jax.Array
     log_prob: jax.Array
     dist: Any
@@ -722,16 +908,19 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
     resets = env.draw_resets(reset_key, num_steps)
 
     def step(carry, inputs):
-        env_state, raw_obs, running_return = carry
+        env_state, raw_obs, hidden, running_return = carry
         action_noise, keys, reset = inputs
         obs = observe(state.obs_stats, raw_obs, hparams)
-        dist, value = network.apply(state.params, obs)
+        first = env_state.episode_length == 0  # this observation begins an episode
+        hidden, dist, value = policy_step(network, state.params, obs, first, hidden)
         action = dist.sample_from(action_noise)
         next_obs, env_state, reward, terminated, truncated, info = env.step(keys, env_state, action, reset)
         done = terminated | truncated
         running_return = running_return * hparams.gamma + reward  # per env, for --scale-reward
         transition = Transition(
             obs=raw_obs,  # normalised after the scan, with the same (frozen) statistics
+            first=first,
+            hidden=hidden,
             action=action,
             log_prob=None,  # after the scan, in one batched call
             dist=dist,
@@ -745,10 +934,10 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
             episode_return=info["episode_return"],
             episode_length=info["episode_length"],
         )
-        return (env_state, next_obs, jnp.where(done, 0.0, running_return)), transition
+        return (env_state, next_obs, hidden, jnp.where(done, 0.0, running_return)), transition
 
-    carry = (state.env_state, state.obs, state.discounted_return)
-    (env_state, next_obs, running_return), traj = jax.lax.scan(step, carry, (noise, step_keys, resets))
+    carry = (state.env_state, state.obs, state.hidden, state.discounted_return)
+    (env_state, next_obs, hidden, running_return), traj = jax.lax.scan(step, carry, (noise, step_keys, resets))
 
     raw_obs = traj.obs
     log_prob = traj.dist.log_prob(traj.action)
@@ -759,12 +948,13 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
     scaled = jnp.where(hparams.scale_reward, traj.reward / jnp.sqrt(reward_stats.var + 1e-8), traj.reward)
     reward = jnp.clip(scaled, -hparams.clip_reward, hparams.clip_reward)
 
-    def leash():  # (log pi_ref(a|s), KL[pi || pi_ref]) at every step, in one batched pass
-        ref_dist, _ = network.apply(state.reference.params, observe(state.reference.obs_stats, raw_obs, hparams))
-        return ref_dist.log_prob(traj.action), traj.dist.kl(ref_dist)
+    def leash():  # (log pi_ref(a|s), KL[pi || pi_ref], pi_ref's state after) at every step, in one pass
+        ref_obs = observe(state.reference.obs_stats, raw_obs, hparams)
+        ref_hiddens, ref_dist, _ = network.apply(state.reference.params, ref_obs, traj.first, state.ref_hidden)
+        return ref_dist.log_prob(traj.action), traj.dist.kl(ref_dist), ref_hiddens[-1]
 
-    off = lambda: (log_prob, jnp.zeros_like(log_prob))  # noqa: E731  (log pi_ref := log pi: no penalty)
-    ref_log_prob, ref_kl = jax.lax.cond(hparams.ref_kl_coef > 0, leash, off)
+    off = lambda: (log_prob, jnp.zeros_like(log_prob), state.ref_hidden)  # noqa: E731  (log pi_ref := log pi)
+    ref_log_prob, ref_kl, ref_hidden = jax.lax.cond(hparams.ref_kl_coef > 0, leash, off)
     traj = traj.replace(
         obs=observe(state.obs_stats, raw_obs, hparams),
         log_prob=log_prob,
@@ -773,15 +963,15 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
         ref_kl=ref_kl,
     )
     obs_stats = state.obs_stats.update(raw_obs.reshape(-1, env.obs_dim))
-    state = state.replace(env_state=env_state, obs=next_obs, obs_stats=obs_stats, reward_stats=reward_stats,
-                          discounted_return=running_return, key=key)
+    state = state.replace(env_state=env_state, obs=next_obs, hidden=hidden, obs_stats=obs_stats,
+                          reward_stats=reward_stats, discounted_return=running_return, ref_hidden=ref_hidden, key=key)
     return state, traj
 
 
 def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_coef):
     """PPO loss on one minibatch: clipped surrogate (Eq. 7), KL penalty (Eq. 8), value loss and
     entropy bonus (Eq. 9); negated for minimisation. Which terms act is data: their coefficients."""
-    dist, values = network.apply(params, batch.obs)
+    _, dist, values = network.apply(params, batch.obs, batch.first, batch.hidden)
     log_probs = dist.log_prob(batch.action)
     log_ratio = log_probs - batch.log_prob
     ratio = jnp.exp(log_ratio)
@@ -826,44 +1016,66 @@ def shuffle_into_minibatches(permutation, batch: Batch, num_minibatches: int) ->
     return jax.tree.map(lambda x: jnp.take(x, permutation, axis=0).reshape(num_minibatches, -1, *x.shape[1:]), batch)
 
 
+def shuffle_sequences_into_minibatches(permutation, batch: Batch, num_minibatches: int) -> Batch:
+    """Recurrent: [T, N, ...] -> [M, T, N/M, ...], whole env sequences in the order of `permutation`
+    (over the N envs), each with the state it starts from: hidden [N, H] -> [M, N/M, H]."""
+    def split(x, axis):
+        x = jnp.take(x, permutation, axis=axis)
+        return jnp.moveaxis(x.reshape(*x.shape[:axis], num_minibatches, -1, *x.shape[axis + 1:]), axis, 0)
+
+    time_major = jax.tree.map(lambda x: split(x, 1), batch.replace(hidden=None))
+    return time_major.replace(hidden=split(batch.hidden, 0))
+
+
 def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn):
     """One pass over the batch: a lax.scan of gradient steps over shuffled minibatches."""
-    return jax.lax.scan(step_fn, carry, shuffle_into_minibatches(permutation, batch, num_minibatches))
+    shuffle = shuffle_into_minibatches if batch.hidden is None else shuffle_sequences_into_minibatches
+    return jax.lax.scan(step_fn, carry, shuffle(permutation, batch, num_minibatches))
 
 
-def make_batch(traj: Transition, advantages, targets) -> Batch:
-    """Flatten what the update needs from [T, N, ...] to [B, ...] (B = T * N)."""
-    flat = lambda tree: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree)  # noqa: E731
-    return Batch(
-        obs=flat(traj.obs),
-        action=flat(traj.action),
-        log_prob=flat(traj.log_prob),
-        dist=flat(traj.dist),
-        value=flat(traj.value),
-        advantages=flat(advantages),
-        targets=flat(targets),
+def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: bool) -> Batch:
+    """What the update needs. Feedforward: flattened from [T, N, ...] to [B, ...] (B = T * N).
+    Recurrent: kept time-major, with the reset flags and the state the rollout started from [N, H]."""
+    batch = Batch(
+        obs=traj.obs,
+        first=traj.first if recurrent else None,
+        hidden=start_hidden if recurrent else None,
+        action=traj.action,
+        log_prob=traj.log_prob,
+        dist=traj.dist,
+        value=traj.value,
+        advantages=advantages,
+        targets=targets,
     )
+    return batch if recurrent else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
 
 
 def update_step(state: TrainState, _, config: Config, env: VecEnv, network, tx, hparams: HParams):
     """One PPO iteration: rollout -> GAE -> update_epochs x num_minibatches gradient steps."""
+    start_hidden = state.hidden
     state, traj = collect_rollout(state, env, network, config.num_steps, hparams)
 
-    # The critic's value of the true next state of every step, in one batched pass. Where no
-    # episode ended, final_obs is simply the next observation.
-    _, next_values = network.apply(state.params, traj.final_obs)  # [T, N]
+    # The critic's value of the true next state of every step, in one batched pass of one step
+    # each (continuing from the state after that step). Where no episode ended, final_obs is
+    # simply the next observation.
+    steps = config.num_steps * config.num_envs
+    _, _, next_values = policy_step(network, state.params, traj.final_obs.reshape(steps, -1),
+                                    jnp.zeros(steps, bool), traj.hidden.reshape(steps, -1))
+    next_values = next_values.reshape(config.num_steps, config.num_envs)
     terminated = jnp.where(hparams.bootstrap_truncation, traj.terminated, traj.done)
     advantages, targets = compute_gae(
         traj.reward, traj.value, next_values, terminated, traj.done, hparams.gamma, hparams.gae_lambda
     )
-    batch = make_batch(traj, advantages, targets)
+    recurrent = network.recurrent_size > 0
+    batch = make_batch(traj, advantages, targets, start_hidden, recurrent)
 
     # Speed: every epoch's shuffle drawn in one vectorised call, and the gradient steps on one flat
     # parameter vector, so that clipping and Adam are a few fused ops instead of a few per leaf.
     key, epoch_key = jax.random.split(state.key)
     # One sort of random 32-bit keys per epoch (jax.random.permutation sorts in 2 rounds beyond
     # ~2^11 samples, for exact uniformity; here 65k samples have ~0.5 tied pairs, kept in order).
-    permutations = jnp.argsort(jax.random.bits(epoch_key, (config.update_epochs, config.batch_size)), axis=-1)
+    shuffled = config.num_envs if recurrent else config.batch_size  # whole env sequences, or samples
+    permutations = jnp.argsort(jax.random.bits(epoch_key, (config.update_epochs, shuffled)), axis=-1)
     flat_params, unravel = ravel_pytree(state.params)
     lr = learning_rate(hparams, state.update, config.num_updates)
     step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, tx=tx, hparams=hparams, lr=lr,
@@ -874,7 +1086,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, tx, 
     params = unravel(flat_params)
 
     # PPO-Penalty: d = the exact mean KL between the old and the updated policy over the batch.
-    new_dist, _ = network.apply(params, batch.obs)
+    _, new_dist, _ = network.apply(params, batch.obs, batch.first, batch.hidden)
     kl = jnp.mean(batch.dist.kl(new_dist))
     kl_coef = jnp.where(hparams.kl_target > 0, adaptive_kl_coef(state.kl_coef, kl, hparams.kl_target), state.kl_coef)
 
@@ -905,13 +1117,15 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
     image = len(env.obs_shape) == 3
     cnn = config.torso == "cnn" or (config.torso == "auto" and image)
     return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation,
-                       config.shared_trunk, image_shape=env.obs_shape if cnn else None)
+                       config.shared_trunk, image_shape=env.obs_shape if cnn else None,
+                       recurrent_size=config.recurrent_size if config.recurrent == "gru" else 0)
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
     """Fresh params (orthogonal or default init, chosen by a traced switch) and empty statistics."""
-    orthogonal = network.init(key, obs)
-    default = network.clone(orthogonal_init=False).init(key, obs)
+    inputs = (obs[None], jnp.ones((1, len(obs)), bool), initial_hidden(network, len(obs)))  # one step of [N] envs
+    orthogonal = network.init(key, *inputs)
+    default = network.clone(orthogonal_init=False).init(key, *inputs)
     params = jax.tree.map(lambda a, b: jnp.where(hparams.ortho_init, a, b), orthogonal, default)
     return Policy(params, RunningStats.zeros((env.obs_dim,)))
 
@@ -929,11 +1143,13 @@ def init_train_state(key, env: VecEnv, network: ActorCritic, tx, hparams: HParam
         opt_state=tx.init(ravel_pytree(initial.params)[0]),
         env_state=env_state,
         obs=obs,
+        hidden=initial_hidden(network, env.num_envs),
         obs_stats=initial.obs_stats,
         reward_stats=RunningStats.zeros(),
         discounted_return=jnp.zeros(env.num_envs, jnp.float32),
         kl_coef=jnp.asarray(hparams.kl_coef, jnp.float32),
         reference=reference,
+        ref_hidden=initial_hidden(network, env.num_envs),
         key=key,
         update=jnp.zeros((), jnp.int32),
     )
@@ -1006,7 +1222,8 @@ def read_policies(config: Config, env: VecEnv, network: ActorCritic, path: str, 
     missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or extra:
         raise ConfigError(f"{flag} {path}: its parameters do not match this network (missing {missing[:3]}, "
-                          f"unexpected {extra[:3]}): same --hidden-sizes / --shared-trunk as the run that saved it?")
+                          f"unexpected {extra[:3]}): same --hidden-sizes / --shared-trunk / --recurrent as the run "
+                          "that saved it?")
     num_seeds = {np.shape(value)[0] if np.ndim(value) else 0 for value in found.values()}
     if len(num_seeds) != 1 or 0 in num_seeds:
         raise ConfigError(f"{flag} {path}: its entries hold different numbers of seeds {sorted(num_seeds)}: corrupt?")
@@ -1077,13 +1294,10 @@ FIELD_ZERO = {"table_rows": "no table", "sweep_chunk": "all agents at once", "ch
 
 def validate(config: Config, check_run_dir: bool = True) -> None:
     """Raise ConfigError for the first invalid setting, before anything is compiled."""
-    if config.env not in gymnax.registered_envs:
-        close = difflib.get_close_matches(config.env, gymnax.registered_envs, n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs"
-        raise ConfigError(f"--env {config.env!r} is not a gymnax environment: {hint}")
-    env, env_params = gymnax.make(config.env)
-    env_params = override_env_params(env_params, config.env_params)
-    for name in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches", "num_seeds"):
+    check_env_id(config.env, config.env_params)
+    env, env_params = make_gymnax(config.env, config.env_params)
+    for name in ("total_timesteps", "num_envs", "num_steps", "update_epochs", "num_minibatches", "num_seeds",
+                 "recurrent_size"):
         if getattr(config, name) < 1:
             raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be a positive integer")
     if config.torso == "cnn" and len(env.observation_space(env_params).shape) != 3:
@@ -1100,6 +1314,9 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
             f"--num-minibatches {config.num_minibatches} does not divide the batch "
             f"(--num-envs {config.num_envs} x --num-steps {config.num_steps} = {config.batch_size})"
         )
+    if config.recurrent != "none" and config.num_envs % config.num_minibatches:
+        raise ConfigError(f"--num-minibatches {config.num_minibatches} does not divide --num-envs {config.num_envs}: "
+                          f"with --recurrent {config.recurrent}, a minibatch is a set of whole env sequences")
     if config.minibatch_size < 2:
         raise ConfigError(f"--num-minibatches {config.num_minibatches}: minibatches of {config.minibatch_size} "
                           "sample(s) cannot be normalised; use fewer minibatches")
@@ -1503,8 +1720,7 @@ def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, 
     configs = []
     for i, static in enumerate(statics):
         env = explicit.get("env", static.get("env", base.get("env", cli.env)))
-        if env not in gymnax.registered_envs:
-            validate(dataclasses.replace(cli, env=env))  # the unknown-env message
+        check_env_id(env)
         config = apply_overrides(default_config(env), base, f"{where} [base]", STATIC_FIELDS - RUN_FIELDS | HPARAM_FIELDS)
         config = apply_overrides(config, static, f"{where} [[static]] {i + 1}", STATIC_FIELDS - RUN_FIELDS | HPARAM_FIELDS)
         config = apply_overrides(config, explicit, "command line")
@@ -1821,21 +2037,26 @@ def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
         data = None
     if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT or not {"config", "state", "metrics"} <= set(data):
         raise ConfigError(f"{where}: {path} is corrupt or not a ppo_jax checkpoint: the run cannot continue from it")
-    saved, expected = json.loads(data["config"]), run_spec(config)
+    # A field added to Config later is missing from older checkpoints: its default keeps the older
+    # behaviour (that is the rule for new fields), so the default is what they were written with.
+    saved, expected, default = json.loads(data["config"]), run_spec(config), run_spec(Config())
     for name in expected:
-        if saved.get(name) != expected[name]:
+        if saved.get(name, default.get(name)) != expected[name]:
             raise ConfigError(f"{where}: the checkpoint was written with {flag(name)} {saved.get(name)}, but config.json "
                               f"says {expected[name]}: restore config.json, or start a new run")
     template = abstract_train_state(config)
     want = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), sep="/")
-    found = flax.traverse_util.flatten_dict(data["state"], sep="/") if isinstance(data["state"], dict) else {}
+    state = data["state"]
+    found = flax.traverse_util.flatten_dict(state, keep_empty_nodes=True, sep="/") if isinstance(state, dict) else {}
     for name, leaf in want.items():
+        if name not in found and math.prod(leaf.shape) == 0:  # a feedforward policy's [N, 0] recurrent
+            found[name] = np.zeros(leaf.shape, leaf.dtype)   # state, which older checkpoints lack
         value = found.get(name)
         if not isinstance(value, np.ndarray) or value.shape != leaf.shape or value.dtype != leaf.dtype:
             got = "nothing" if value is None else f"{np.shape(value)} {getattr(value, 'dtype', type(value).__name__)}"
             raise ConfigError(f"{where}: checkpoint entry state/{name} is {got}, this config needs {leaf.shape} "
                               f"{leaf.dtype}: the checkpoint does not belong to this config")
-    state = serialization.from_state_dict(template, data["state"])
+    state = serialization.from_state_dict(template, flax.traverse_util.unflatten_dict(found, sep="/"))
     checkpoint = Checkpoint(state, data["metrics"])
     shapes = {np.shape(value) for value in checkpoint.metrics.values()}
     if shapes != {(config.num_seeds, checkpoint.updates_done)}:
@@ -2084,10 +2305,13 @@ DRAWABLE_ENVS = ("CartPole-v1", "Pendulum-v1", "Acrobot-v1", "MountainCar-v0", "
                  "SpaceInvaders-MinAtar", "Pong-misc", "PointRobot-misc", "MetaMaze-misc", "FourRooms-misc")
 
 
-def act(network: ActorCritic, policy: Policy, raw_obs, hparams: HParams, deterministic: bool, key):
-    """A saved policy's action: its mode (argmax; the Gaussian's mean) or a sample."""
-    dist, _ = network.apply(policy.params, observe(policy.obs_stats, raw_obs, hparams))
-    return dist.mode() if deterministic else dist.sample(key)
+def act(network: ActorCritic, policy: Policy, raw_obs, env_state: EnvState, hidden, hparams: HParams,
+        deterministic: bool, key):
+    """A saved policy's action in every env, its mode (argmax; the Gaussian's mean) or a sample,
+    and its recurrent state after the step -> (action, hidden)."""
+    first = env_state.episode_length == 0
+    hidden, dist, _ = policy_step(network, policy.params, observe(policy.obs_stats, raw_obs, hparams), first, hidden)
+    return (dist.mode() if deterministic else dist.sample(key)), hidden
 
 
 def evaluate(config: Config, policies: Policy, episodes: int, deterministic: bool, seed: int = 0) -> np.ndarray:
@@ -2102,19 +2326,20 @@ def evaluate(config: Config, policies: Policy, episodes: int, deterministic: boo
         obs, env_state = env.reset(reset_key)
 
         def step(carry):
-            obs, env_state, key, returns, ended, t = carry
+            obs, env_state, hidden, key, returns, ended, t = carry
             key, action_key, step_key, reset_key = jax.random.split(key, 4)
-            action = act(network, policy, obs, config.hparams, deterministic, action_key)
+            action, hidden = act(network, policy, obs, env_state, hidden, config.hparams, deterministic, action_key)
             resets = jax.tree.map(lambda x: x[0], env.draw_resets(reset_key, 1))
             obs, env_state, _, terminated, truncated, info = env.step(
                 jax.random.split(step_key, episodes), env_state, action, resets)
             done = terminated | truncated
             returns = jnp.where(done & ~ended, info["episode_return"], returns)
-            return obs, env_state, key, returns, ended | done, t + 1
+            return obs, env_state, hidden, key, returns, ended | done, t + 1
 
-        unfinished = lambda carry: ~jnp.all(carry[4]) & (carry[5] <= env.episode_limit())  # noqa: E731
-        carry = (obs, env_state, key, jnp.zeros(episodes), jnp.zeros(episodes, bool), 0)
-        _, _, _, returns, ended, _ = jax.lax.while_loop(unfinished, step, carry)
+        unfinished = lambda carry: ~jnp.all(carry[5]) & (carry[6] <= env.episode_limit())  # noqa: E731
+        carry = (obs, env_state, initial_hidden(network, episodes), key, jnp.zeros(episodes),
+                 jnp.zeros(episodes, bool), 0)
+        _, _, _, _, returns, ended, _ = jax.lax.while_loop(unfinished, step, carry)
         return jnp.where(ended, returns, jnp.nan)
 
     num_seeds = len(policies.obs_stats.count)
@@ -2137,14 +2362,14 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
         resets = env.draw_resets(resets_key, limit)
 
         def step(carry, inputs):
-            obs, env_state = carry
+            obs, env_state, hidden = carry
             action_key, step_key, reset = inputs
-            action = act(network, policy, obs, config.hparams, deterministic, action_key)
+            action, hidden = act(network, policy, obs, env_state, hidden, config.hparams, deterministic, action_key)
             next_obs, next_state, reward, terminated, truncated, _ = env.step(step_key[None], env_state, action, reset)
-            return (next_obs, next_state), (env_state.env_state, reward[0], (terminated | truncated)[0])
+            return (next_obs, next_state, hidden), (env_state.env_state, reward[0], (terminated | truncated)[0])
 
         inputs = (jax.random.split(action_key, limit), jax.random.split(step_key, limit), resets)
-        return jax.lax.scan(step, (obs, env_state), inputs)[1]
+        return jax.lax.scan(step, (obs, env_state, initial_hidden(network, 1)), inputs)[1]
 
     states, rewards, dones = jax.device_get(episode(jax.random.PRNGKey(seed)))
     length = int(np.argmax(dones)) + 1 if dones.any() else limit

@@ -253,11 +253,11 @@ def test_ratio_is_exactly_one_on_first_minibatch():
     config = tiny_config()
     network, state, _, traj = first_rollout(config, jax.random.PRNGKey(3))
     zeros = jnp.zeros_like(traj.value)
-    batch = P.make_batch(traj, zeros, zeros)
+    batch = P.make_batch(traj, zeros, zeros, state.hidden, recurrent=False)
     permutation = jax.random.permutation(jax.random.PRNGKey(4), config.batch_size)
     first = jax.tree.map(lambda x: x[0], P.shuffle_into_minibatches(permutation, batch, 4))
     chex.assert_shape(first.obs, (config.minibatch_size, 4))
-    dist, _ = network.apply(state.params, first.obs)  # the first gradient step's params
+    _, dist, _ = network.apply(state.params, first.obs)  # the first gradient step's params
     ratio = jnp.exp(dist.log_prob(first.action) - first.log_prob)
     np.testing.assert_array_equal(ratio, 1.0)
 
@@ -367,14 +367,14 @@ def test_leash_penalty_is_zero_at_the_reference_and_exact_elsewhere():
     np.testing.assert_array_equal(tied.reward, free.reward)
     np.testing.assert_array_equal(tied.ref_kl, 0.0)
     # A different reference: the penalty is c * (log pi(a|s) - log pi_ref(a|s)), to the last bit.
-    other = network.init(jax.random.PRNGKey(42), state.obs)
+    other = network.init(jax.random.PRNGKey(42), state.obs[None])
     state = state.replace(reference=P.Policy(other, state.obs_stats))
     env = P.make_env(config)
     _, traj = P.collect_rollout(state, env, network, config.num_steps, leashed)
-    ref_dist, _ = network.apply(other, traj.obs)
+    _, ref_dist, _ = network.apply(other, traj.obs)
     expected = free.reward - 0.5 * (traj.log_prob - ref_dist.log_prob(traj.action))
     np.testing.assert_allclose(traj.reward, expected, rtol=1e-6, atol=1e-6)
-    dist, _ = network.apply(state.params, traj.obs)
+    _, dist, _ = network.apply(state.params, traj.obs)
     p_now = scipy.special.softmax(np.asarray(dist.logits, np.float64), -1)
     p_ref = scipy.special.softmax(np.asarray(ref_dist.logits, np.float64), -1)
     np.testing.assert_allclose(traj.ref_kl, scipy.stats.entropy(p_now, p_ref, axis=-1), atol=1e-6)
@@ -480,7 +480,7 @@ def test_cnn_torso_is_a_3x3_convolution_shared_by_actor_and_critic():
     assert jax.tree.map(jnp.shape, params["params"]) == {
         "conv": {"kernel": (36, 16), "bias": (16,)}, "trunk_0": {"kernel": (1600, 128), "bias": (128,)},
         "policy_head": {"kernel": (128, 3), "bias": (3,)}, "value_head": {"kernel": (128, 1), "bias": (1,)}}
-    dist, values = network.apply(params, obs)
+    _, dist, values = network.apply(params, obs)
     chex.assert_shape([dist.logits, values], [(5, 7, 3), (5, 7)])
 
     conv = params["params"]["conv"]
@@ -497,6 +497,92 @@ def test_cnn_torso_is_a_3x3_convolution_shared_by_actor_and_critic():
     assert P.make_network(dataclasses.replace(config, torso="mlp"), env).image_shape is None
     with pytest.raises(P.ConfigError, match="--torso cnn"):
         P.validate(tiny_config(torso="cnn"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The recurrent policy
+# ------------------------------------------------------------------------------------------------
+
+
+def gru_reference(params, inputs, first, hidden):
+    """The GRU in float64 numpy, one env step at a time: inputs [T, N, D], first [T, N], hidden [N, H]."""
+    w, b = (np.asarray(params["input"][name], np.float64) for name in ("kernel", "bias"))
+    u, c = np.asarray(params["recurrent_kernel"], np.float64), np.asarray(params["recurrent_bias"], np.float64)
+    size = u.shape[0]
+    sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))  # noqa: E731
+    h, out = np.asarray(hidden, np.float64), []
+    for x, reset in zip(np.asarray(inputs, np.float64), np.asarray(first)):
+        h = np.where(reset[:, None], 0.0, h)
+        gx, gh = x @ w + b, h @ u + c
+        r = sigmoid(gx[:, :size] + gh[:, :size])
+        z = sigmoid(gx[:, size:2 * size] + gh[:, size:2 * size])
+        n = np.tanh(gx[:, 2 * size:] + r * gh[:, 2 * size:])
+        h = (1 - z) * n + z * h
+        out.append(h)
+    return np.stack(out)
+
+
+def test_gru_state_matches_numpy_and_resets_exactly_where_episodes_begin():
+    """Two rollouts of a GRU policy on CartPole with a 10-step limit (so episodes end inside and
+    across rollouts): the states it stores equal a numpy GRU that zeroes the state exactly where an
+    episode begins, continuing from the carried state; and replaying the sequence in one call, as
+    the update does, gives the rollout's values and log-probabilities."""
+    config = tiny_config(recurrent="gru", recurrent_size=8, num_steps=24, env_params=("max_steps_in_episode=10",))
+    network, start, after, traj = first_rollout(config, jax.random.PRNGKey(0))
+    env = P.make_env(config)
+    rollout = jax.jit(P.collect_rollout, static_argnums=(1, 2, 3))
+    _, second = rollout(after, env, network, config.num_steps, config.hparams)
+    gru = start.params["params"]["gru"]
+    assert start.hidden.shape == (4, 8) and not np.any(start.hidden)
+    np.testing.assert_array_equal(after.hidden, traj.hidden[-1])  # carried over to the next rollout, un-reset
+    previous_done = np.ones(4, bool)  # the very first step begins every env's episode
+    for hidden, steps in ((start.hidden, traj), (after.hidden, second)):
+        first = np.asarray(steps.first)
+        np.testing.assert_array_equal(first, np.concatenate([previous_done[None], np.asarray(steps.done)[:-1]]))
+        assert first[1:].sum() >= 8  # 24 steps of 4 envs, episodes of at most 10 steps
+        np.testing.assert_allclose(steps.hidden, gru_reference(gru, steps.obs, first, hidden), atol=1e-5)
+        hiddens, dist, values = network.apply(start.params, steps.obs, steps.first, hidden)
+        np.testing.assert_allclose(hiddens, steps.hidden, atol=1e-6)
+        np.testing.assert_allclose(values, steps.value, atol=1e-5)
+        np.testing.assert_allclose(dist.log_prob(steps.action), steps.log_prob, atol=1e-5)
+        previous_done = np.asarray(steps.done)[-1]
+
+
+def test_recurrent_minibatches_are_whole_env_sequences_from_their_start_state():
+    config = tiny_config(recurrent="gru", recurrent_size=8, num_envs=8, num_minibatches=4)
+    network, state, after, traj = first_rollout(config, jax.random.PRNGKey(1))
+    advantages = jax.random.normal(jax.random.PRNGKey(2), traj.value.shape)
+    start_hidden = jax.random.normal(jax.random.PRNGKey(3), (8, 8))
+    batch = P.make_batch(traj, advantages, advantages, start_hidden, recurrent=True)
+    permutation = jax.random.permutation(jax.random.PRNGKey(4), 8)
+    minibatches = P.shuffle_sequences_into_minibatches(permutation, batch, 4)
+    chex.assert_shape([minibatches.obs, minibatches.first, minibatches.hidden], [(4, 32, 2, 4), (4, 32, 2), (4, 2, 8)])
+    for k in range(4):
+        for j in range(2):
+            env = int(permutation[2 * k + j])
+            np.testing.assert_array_equal(minibatches.obs[k, :, j], traj.obs[:, env])
+            np.testing.assert_array_equal(minibatches.advantages[k, :, j], advantages[:, env])
+            np.testing.assert_array_equal(minibatches.first[k, :, j], traj.first[:, env])
+            np.testing.assert_array_equal(minibatches.hidden[k, j], start_hidden[env])
+    # The first gradient step sees the rollout's own policy: ratio 1, from the state the rollout began in.
+    batch = P.make_batch(traj, advantages, advantages, state.hidden, recurrent=True)
+    first = jax.tree.map(lambda x: x[0], P.shuffle_sequences_into_minibatches(permutation, batch, 4))
+    _, dist, _ = network.apply(state.params, first.obs, first.first, first.hidden)
+    np.testing.assert_allclose(jnp.exp(dist.log_prob(first.action) - first.log_prob), 1.0, atol=1e-5)
+
+
+def test_recurrent_leash_carries_the_reference_state_across_rollouts():
+    """With the reference equal to the policy, the KL leash must cost exactly nothing in every
+    rollout: the reference keeps its own recurrent state from one rollout to the next."""
+    config = tiny_config(recurrent="gru", recurrent_size=8, env_params=("max_steps_in_episode=50",))
+    leashed = dataclasses.replace(config.hparams, ref_kl_coef=0.5)
+    network, _, after, traj = first_rollout(config, jax.random.PRNGKey(0), leashed)
+    rollout = jax.jit(P.collect_rollout, static_argnums=(1, 2, 3))
+    for _ in range(3):
+        np.testing.assert_allclose(traj.ref_kl, 0.0, atol=1e-6)
+        np.testing.assert_allclose(after.ref_hidden, after.hidden, atol=1e-6)
+        assert np.any(np.asarray(after.hidden)) and not np.asarray(after.env_state.episode_length == 0).all()
+        after, traj = rollout(after, P.make_env(config), network, config.num_steps, leashed)
 
 
 def test_init_and_ref_params_load_a_saved_policy(tmp_path, capsys):
@@ -589,6 +675,8 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--eval", "/nonexistent/run"], ["--eval", "no such directory"]),
     (["--eval", "/tmp", "--resume", "/tmp"], ["--eval", "--resume"]),
     (["--sweep", "/nonexistent/spec.toml"], ["--sweep", "/nonexistent/spec.toml"]),
+    (["--recurrent", "gru", "--num-envs", "6"], ["--num-minibatches 4", "--num-envs 6", "whole env sequences"]),
+    (["--recurrent", "gru", "--recurrent-size", "0"], ["--recurrent-size", "positive"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -629,7 +717,8 @@ RESUME_ARGV = ["--total-timesteps", str(4 * 32 * 200), "--num-steps", "32", "--h
 def test_sigterm_leaves_a_checkpoint_and_the_resumed_run_is_bit_identical(tmp_path, capsys):
     """A run in a subprocess gets SIGTERM as soon as it reports its first chunk: it finishes the chunk,
     saves, says how to resume, and exits 143. --resume then ends exactly where an uninterrupted run
-    ends: the same metrics.csv (only appended to), params and checkpoint, byte for byte."""
+    ends: the same metrics.csv (only appended to), params and checkpoint, byte for byte, even from a
+    checkpoint of the format before recurrent policies."""
     stopped = tmp_path / "stopped"
     child = subprocess.Popen([sys.executable, "-u", P.__file__, *RESUME_ARGV, "--run-dir", str(stopped)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -647,6 +736,14 @@ def test_sigterm_leaves_a_checkpoint_and_the_resumed_run_is_bit_identical(tmp_pa
     assert json.loads((stopped / "summary.json").read_text())["status"] == "interrupted by SIGTERM"
     before = (stopped / "metrics.csv").read_bytes()
     assert before.count(b"\n") == 1 + 2 * checkpoint.updates_done
+    # Make it a checkpoint written before the recurrent policy existed: no recurrent fields in its
+    # spec, no (zero-width) recurrent states. It must resume all the same.
+    data = serialization.msgpack_restore((stopped / P.CHECKPOINT).read_bytes())
+    assert data["state"].pop("hidden").shape == data["state"].pop("ref_hidden").shape == (2, 4, 0)
+    spec = json.loads(data["config"])
+    del spec["recurrent"], spec["recurrent_size"]
+    data["config"] = json.dumps(spec)
+    (stopped / P.CHECKPOINT).write_bytes(serialization.msgpack_serialize(data))
 
     P.main(["--resume", str(stopped), "--quiet"])
     assert "resumed at update" in capsys.readouterr().out
@@ -764,7 +861,7 @@ def test_eval_returns_equal_a_python_loop_and_render_writes_the_episode(tmp_path
             total, done = 0.0, False
             while not done:
                 obs = env.env.get_obs(state, env.env_params)
-                dist, _ = network.apply(policy.params, jnp.asarray(obs, jnp.float32)[None])
+                _, dist, _ = network.apply(policy.params, jnp.asarray(obs, jnp.float32)[None])
                 _, state, reward, terminated, _ = env.env.step_env(
                     jax.random.PRNGKey(0), state, int(dist.mode()[0]), env.env_params)
                 total += float(reward)
@@ -825,6 +922,97 @@ def test_learns_minatar_breakout_with_the_cnn_torso():
     finals = P.final_return(P.run(config).metrics)
     print(f"Breakout-MinAtar: random policy {random_return:.2f}, final return {finals}")
     assert np.all(finals >= random_return + 2.0) and np.all(finals >= 4 * random_return), (random_return, finals)
+
+
+def test_learns_memory_chain_with_the_gru_where_the_mlp_cannot(tmp_path):
+    """MemoryChain-bsuite shows a context bit at the start and asks for it 5 steps later (+1 right,
+    -1 wrong): without memory the best return is 0; the GRU policy must reach 0.9, and --eval must
+    confirm it (so evaluation carries the recurrent state too)."""
+    argv = ["--env", "MemoryChain-bsuite", "--num-envs", "16", "--num-steps", "32", "--total-timesteps", "51200",
+            "--num-seeds", "2", "--quiet", "--table-rows", "0"]
+    gru = P.final_return(P.main([*argv, "--recurrent", "gru", "--run-dir", str(tmp_path / "gru")]).metrics)
+    mlp = P.final_return(P.main([*argv, "--run-dir", str(tmp_path / "mlp")]).metrics)
+    returns = P.main(["--eval", str(tmp_path / "gru"), "--episodes", "50", "--deterministic"])
+    print(f"MemoryChain-bsuite final return per seed: GRU {gru}, MLP {mlp}; GRU eval {returns.mean(axis=1)}")
+    assert np.all(gru >= 0.9) and np.all(np.abs(mlp) <= 0.3), (gru, mlp)
+    assert np.all(returns.mean(axis=1) >= 0.9), returns
+
+
+# ------------------------------------------------------------------------------------------------
+# Brax (installed with requirements-brax.txt; these tests skip without it)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_brax_missing_or_unknown_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "brax", None)  # as if brax were not installed: importing it fails
+    with pytest.raises(P.ConfigError, match=r"--env brax:ant needs brax.*pip install -r requirements-brax.txt"):
+        P.validate(P.default_config("brax:ant"))
+    monkeypatch.undo()
+    pytest.importorskip("brax")
+    for argv, words in [(["--env", "brax:antt"], ["brax:antt", "brax:ant,"]),
+                        (["--env", "brax:ant", "--env-params", "backend=physx"], ["backend=physx", "mjx"])]:
+        with pytest.raises(SystemExit):
+            P.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and all(word in err for word in words), err
+
+
+def test_brax_adapter_flags_truncation_and_termination_and_keeps_the_final_observation():
+    """brax:inverted_pendulum with an 8-step limit: pushed at random, the pole falls (terminated:
+    Brax's done); left alone (half the envs), it stays up to the limit (truncated). At every
+    step the final observation is Brax's own next observation, and where an episode ended the env
+    continues from Brax's reset with the step's reset key."""
+    pytest.importorskip("brax")
+    num_envs, limit = 8, 8
+    env = P.VecEnv("brax:inverted_pendulum", num_envs, env_params=[f"max_steps_in_episode={limit}"])
+    assert env.lazy_resets and env.episode_limit() == limit and not env.discrete and env.obs_dim == 4
+    brax_env, pushed = env.env.brax_env, (jnp.arange(num_envs) % 2)[:, None]
+
+    @jax.jit
+    def steps(key):  # 30 steps: VecEnv's outputs, and Brax's own step and reset for comparison
+        def step(state, key):
+            action_key, step_key, reset_key = jax.random.split(key, 3)
+            action = pushed * jax.random.uniform(action_key, (num_envs, 1), minval=-1.0, maxval=1.0)
+            reset_keys = env.draw_resets(reset_key, 1)[0]
+            brax_next = jax.vmap(brax_env.step)(state.env_state.brax, action)
+            fresh = jax.vmap(brax_env.reset)(reset_keys).obs
+            next_obs, state, reward, terminated, truncated, info = env.step(
+                jax.random.split(step_key, num_envs), state, action, reset_keys)
+            return state, (next_obs, reward, terminated, truncated, info, brax_next, fresh, state.env_state.time)
+
+        return jax.lax.scan(step, env.reset(key)[1], jax.random.split(key, 30))[1]
+
+    lengths, seen = np.zeros(num_envs, int), {"terminated": 0, "truncated": 0}
+    outputs = jax.device_get(steps(jax.random.PRNGKey(0)))
+    for t in range(30):
+        next_obs, reward, terminated, truncated, info, brax_next, fresh, time = jax.tree.map(lambda x: x[t], outputs)
+        np.testing.assert_array_equal(info["final_observation"], brax_next.obs)
+        np.testing.assert_array_equal(reward, brax_next.reward)
+        np.testing.assert_array_equal(terminated, brax_next.done > 0.5)
+        lengths += 1
+        for n in range(num_envs):
+            if terminated[n] or truncated[n]:
+                seen["terminated" if terminated[n] else "truncated"] += 1
+                assert int(info["episode_length"][n]) == lengths[n]
+                assert lengths[n] == limit if truncated[n] and not terminated[n] else lengths[n] <= limit
+                np.testing.assert_array_equal(next_obs[n], fresh[n])
+                lengths[n] = 0
+            else:
+                np.testing.assert_array_equal(next_obs[n], brax_next.obs[n])
+        np.testing.assert_array_equal(time, lengths)
+    assert seen["terminated"] >= 3 and seen["truncated"] >= 3, seen
+
+
+def test_learns_brax_inverted_pendulum():
+    """A short run of brax:inverted_pendulum with its Brax defaults, on a small batch: the return
+    (steps the pole stays up) must grow well beyond the first update's."""
+    pytest.importorskip("brax")
+    config = dataclasses.replace(P.default_config("brax:inverted_pendulum"), num_envs=32, num_steps=32,
+                                 num_minibatches=4, total_timesteps=32 * 32 * 30, table_rows=0)
+    metrics = P.run(config).metrics
+    returns, finals = metrics["episode_return"][0], P.final_return(metrics)
+    print(f"brax:inverted_pendulum: first update {returns[0]:.1f}, final return {finals}")
+    assert finals[0] >= 5 * returns[0] and finals[0] >= 50, (returns[0], finals)
 
 
 # ------------------------------------------------------------------------------------------------
