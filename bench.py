@@ -3,6 +3,7 @@
     python bench.py            # every config, about 15 minutes on 2 CPU cores
     python bench.py --quick    # shorter runs of the two CartPole headline configs, about 2 minutes
     python bench.py --configs cartpole_classic cartpole_512envs   # some of them
+    python bench.py --gpu      # on an accelerator: 1 to 2048 CartPole agents x 5e5 steps, brax:ant x 5e7
 
 Prints a table and writes bench.json (the figures, the machine, the versions). Each config runs in
 its own fresh process, so its compile is cold and its peak RSS its own. For each config:
@@ -38,8 +39,15 @@ CONFIGS = {  # name -> (Config overrides, total steps per agent, quick steps, ag
     "pendulum": (dict(env="Pendulum-v1"), 262_144, 65_536, 1),
     "cartpole_8_agents": (dict(env="CartPole-v1"), 262_144, 65_536, 8),
     "cartpole_64_agents": (dict(env="CartPole-v1"), 65_536, 16_384, 64),
+    # --gpu: the accelerator's headline figures (far too long for a CPU)
+    "gpu_cartpole_1_agent": (dict(env="CartPole-v1"), 500_000, 131_072, 1),
+    "gpu_cartpole_64_agents": (dict(env="CartPole-v1"), 500_000, 131_072, 64),
+    "gpu_cartpole_1024_agents": (dict(env="CartPole-v1"), 500_000, 131_072, 1024),
+    "gpu_cartpole_2048_agents": (dict(env="CartPole-v1"), 500_000, 131_072, 2048),
+    "gpu_brax_ant": (dict(env="brax:ant"), 50_000_000, 5_242_880, 1),  # needs requirements-brax.txt
 }
 QUICK = ("cartpole_classic", "cartpole_512envs")
+GPU = tuple(name for name in CONFIGS if name.startswith("gpu_"))
 
 
 def timed(fn, *args, repeats=3):
@@ -202,6 +210,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"shorter runs of {', '.join(QUICK)} (about two minutes)")
     parser.add_argument("--out", default="bench.json", help="where to write the figures (default: bench.json)")
+    parser.add_argument("--gpu", action="store_true", help=f"the accelerator configs: {', '.join(GPU)}")
     parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), help="only these configs")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median; default 3)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
@@ -210,7 +219,7 @@ def main():
     if args.one:
         print(json.dumps(one_config(args.one, args.quick, args.repeats, args.cache_dir)))
         return
-    names = args.configs or (QUICK if args.quick else list(CONFIGS))
+    names = args.configs or (GPU if args.gpu else QUICK if args.quick else [n for n in CONFIGS if n not in GPU])
     results = {"machine": machine(), "quick": args.quick, "configs": []}
     print(f"machine: {results['machine']}", flush=True)
     with tempfile.TemporaryDirectory() as cache_dir:
