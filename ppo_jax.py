@@ -318,6 +318,10 @@ class EnvState:
     episode_return: jax.Array  # [N] return of the running episode so far
     episode_length: jax.Array  # [N]
 
+    @property
+    def first(self):  # [N] bool: the current observation begins an episode (a recurrent policy resets there)
+        return self.episode_length == 0
+
 
 def override_env_params(env_params, overrides: Sequence[str]):
     """Apply "name=value" overrides to a gymnax EnvParams, keeping each field's type (number or string)."""
@@ -911,7 +915,7 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
         env_state, raw_obs, hidden, running_return = carry
         action_noise, keys, reset = inputs
         obs = observe(state.obs_stats, raw_obs, hparams)
-        first = env_state.episode_length == 0  # this observation begins an episode
+        first = env_state.first
         hidden, dist, value = policy_step(network, state.params, obs, first, hidden)
         action = dist.sample_from(action_noise)
         next_obs, env_state, reward, terminated, truncated, info = env.step(keys, env_state, action, reset)
@@ -2309,8 +2313,8 @@ def act(network: ActorCritic, policy: Policy, raw_obs, env_state: EnvState, hidd
         deterministic: bool, key):
     """A saved policy's action in every env, its mode (argmax; the Gaussian's mean) or a sample,
     and its recurrent state after the step -> (action, hidden)."""
-    first = env_state.episode_length == 0
-    hidden, dist, _ = policy_step(network, policy.params, observe(policy.obs_stats, raw_obs, hparams), first, hidden)
+    observed = observe(policy.obs_stats, raw_obs, hparams)
+    hidden, dist, _ = policy_step(network, policy.params, observed, env_state.first, hidden)
     return (dist.mode() if deterministic else dist.sample(key)), hidden
 
 
