@@ -15,8 +15,12 @@ import sys
 import tempfile
 import tomllib
 
-# The CLI's persistent compilation cache goes to a throwaway directory, not ~/.cache (read at import).
-COMPILE_CACHE = os.environ.setdefault("PPO_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="ppo_jax_test_cache_"))
+# The CLI's persistent compilation cache goes to a throwaway directory, not ~/.cache (read at import),
+# removed when the test process exits (unless $PPO_JAX_COMPILE_CACHE names one to keep).
+if "PPO_JAX_COMPILE_CACHE" not in os.environ:
+    _throwaway_cache = tempfile.TemporaryDirectory(prefix="ppo_jax_test_cache_")
+    os.environ["PPO_JAX_COMPILE_CACHE"] = _throwaway_cache.name
+COMPILE_CACHE = os.environ["PPO_JAX_COMPILE_CACHE"]
 
 import chex  # noqa: E402
 import jax  # noqa: E402
@@ -474,7 +478,7 @@ def test_cnn_torso_is_a_3x3_convolution_shared_by_actor_and_critic():
     config = P.default_config("Breakout-MinAtar")
     env = P.make_env(config)
     network = P.make_network(config, env)
-    assert network.image_shape == (10, 10, 4) and network.shared_trunk
+    assert network.image_shape == (10, 10, 4) and network.shared_trunk and network.activation == "relu"
     obs = jax.random.bernoulli(jax.random.PRNGKey(0), 0.2, (5, 7, env.obs_dim)).astype(jnp.float32)  # [T, N, 400]
     params = network.init(jax.random.PRNGKey(1), obs[0])
     assert jax.tree.map(jnp.shape, params["params"]) == {
@@ -488,8 +492,8 @@ def test_cnn_torso_is_a_3x3_convolution_shared_by_actor_and_critic():
     images = obs.reshape(-1, 10, 10, 4)
     expected = jax.nn.relu(jax.lax.conv_general_dilated(images, kernel, (1, 1), "SAME",
                                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + conv["bias"])
-    hidden = jnp.tanh(expected.reshape(35, -1) @ params["params"]["trunk_0"]["kernel"]
-                      + params["params"]["trunk_0"]["bias"])
+    hidden = jax.nn.relu(expected.reshape(35, -1) @ params["params"]["trunk_0"]["kernel"]
+                         + params["params"]["trunk_0"]["bias"])
     value_head = params["params"]["value_head"]
     np.testing.assert_allclose(values.reshape(-1), (hidden @ value_head["kernel"] + value_head["bias"])[:, 0],
                                rtol=1e-4, atol=1e-5)
