@@ -1793,7 +1793,7 @@ def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> f
     scores), over one episode limit's worth of steps in num_envs envs."""
     env = VecEnv(config.env, num_envs, config.env_params)
     space = env.env.action_space(env.env_params)
-    steps = min(env.episode_limit(default=1000), 2000) + 1
+    steps = min(env.episode_limit(default=1000), 10_000) + 1  # one whole episode even at the limit (Freeway: 2500)
 
     def step(env_state, inputs):
         action_keys, step_keys, reset = inputs

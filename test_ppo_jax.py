@@ -928,6 +928,16 @@ def test_learns_minatar_breakout_with_the_cnn_torso():
     assert np.all(finals >= random_return + 2.0) and np.all(finals >= 4 * random_return), (random_return, finals)
 
 
+def test_random_baseline_sees_whole_episodes_when_the_time_limit_is_long():
+    """The random policy's return (the 0 of normalised scores, and the MinAtar test's baseline)
+    counts complete episodes. Freeway-MinAtar's end only at its 2500-step limit: the baseline's
+    rollout must be that long (capped at 2000 steps it saw no episode end and returned nan)."""
+    config = P.default_config("Freeway-MinAtar")
+    assert P.make_env(config).episode_limit() == 2500
+    baseline = P.random_policy_return(config, num_envs=8)
+    assert math.isfinite(baseline) and 0.0 <= baseline < 5.0, baseline  # +1 per crossing; random rarely crosses
+
+
 def test_learns_memory_chain_with_the_gru_where_the_mlp_cannot(tmp_path):
     """MemoryChain-bsuite shows a context bit at the start and asks for it 5 steps later (+1 right,
     -1 wrong): without memory the best return is 0; the GRU policy must reach 0.9, and --eval must
