@@ -8,9 +8,9 @@
 Prints a table and writes bench.json (the figures, the machine, the versions). Each config runs in
 its own fresh process, so its compile is cold and its peak RSS its own. For each config:
 
-- lower / compile seconds (cold; and, for the classic config, warm from the persistent
-  compilation cache that `python ppo_jax.py` keeps), run seconds and env steps/s (median of >= 3
-  runs of the compiled program after a warm-up run);
+- lower / compile seconds (cold, the init program compiling during the lowering; and, for the
+  classic config, warm from the persistent compilation cache that `python ppo_jax.py` keeps), run
+  seconds and env steps/s (median of >= 3 runs of the compiled program after a warm-up run);
 - two references measured in the same process, on the same env and number of envs: the env alone
   (random actions, vmapped, scanned) and env + actor-critic forward + sampling. PPO / (env+fwd) is
   the headline: how close the whole algorithm gets to just acting;
