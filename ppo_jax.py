@@ -1411,8 +1411,9 @@ def to_host(tree):
 def xla_options() -> dict[str, Any] | None:
     """Options for compiling our programs. On CPU, XLA's generated loops go through LLVM at
     optimisation level 1 instead of 3 (compile time): the classic config's programs compile in
-    ~6 s instead of ~9-10 here, and run as fast or faster, because their heavy ops, the dots, are
-    library calls that the level does not touch (README, Speed). Accelerators keep XLA's default."""
+    ~6 s instead of ~9-10 here and run as fast, within this machine's noise: their heavy ops, the
+    dots, are library calls that the level does not touch (README, Speed). Accelerators keep XLA's
+    default."""
     return {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else None
 
 
