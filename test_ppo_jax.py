@@ -628,8 +628,7 @@ def test_init_and_ref_params_load_a_saved_policy(tmp_path, capsys):
     assert float(state.obs_stats.count) > float(restored["obs_stats"]["count"][0])  # it kept counting
     # As the leash's reference, it differs from a fresh policy: KL > 0 from the first update.
     config = tiny_config(hidden_sizes=(8,), ref_params=path)
-    _, metrics = jit_train(config)(jax.random.PRNGKey(1), dataclasses.replace(config.hparams,
-                                                                                           ref_kl_coef=0.1))
+    _, metrics = jit_train(config)(jax.random.PRNGKey(1), dataclasses.replace(config.hparams, ref_kl_coef=0.1))
     assert metrics["ref_kl"][0] > 0
     # The wrong architecture is one clear line, before compiling.
     with pytest.raises(SystemExit):
