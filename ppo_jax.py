@@ -1408,13 +1408,28 @@ def to_host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-def xla_options() -> dict[str, Any] | None:
-    """Options for compiling our programs. On CPU, XLA's generated loops go through LLVM at
-    optimisation level 1 instead of 3 (compile time): the classic config's programs compile in
-    ~6 s instead of ~9-10 here and run as fast, within this machine's noise: their heavy ops, the
-    dots, are library calls that the level does not touch (README, Speed). Accelerators keep XLA's
-    default."""
-    return {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else None
+# On CPU, a minibatch of at least this many samples runs its dots as XLA's own (Eigen) dots instead
+# of YNNPACK fusions (xla_options): measured faster on big minibatches, slower on small ones.
+EIGEN_DOTS_FROM_MINIBATCH = 4096
+
+
+def xla_options(config: Config | None = None) -> dict[str, Any] | None:
+    """Options for compiling our programs (config: the run's, for the minibatch size). On CPU:
+    - XLA's generated loops go through LLVM at optimisation level 1 instead of 3 (compile time):
+      the classic config's programs compile in ~6 s instead of ~9-10 here and run as fast, within
+      this machine's noise: their heavy ops, the dots, are library calls that the level does not
+      touch.
+    - From EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, no YNNPACK fusions (speed). CartPole,
+      env steps/s with them off: 512 envs (16384-sample minibatches) +15 % through run_batch;
+      same-process A/Bs: 4096 samples +5 %, 8192 +14 %; but 2048 +1 %, 256 (Pendulum) +2 %,
+      128 (the classic config) -8 %.
+    Both are in README, Speed. Accelerators keep XLA's defaults."""
+    if jax.default_backend() != "cpu":
+        return None
+    options = {"xla_backend_optimization_level": 1}
+    if config is not None and config.minibatch_size >= EIGEN_DOTS_FROM_MINIBATCH:
+        options["xla_cpu_experimental_ynn_fusion_type"] = ""  # the empty set of fusion types
+    return options
 
 
 def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_chunk=None, timed_runs: int = 0,
@@ -1484,10 +1499,10 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     # Compile time: XLA compiles the init program on a second thread while this one lowers the chunk
     # program (Python, one core). Measured here: ~1 s less of a ~7.5 s cold compile on 2 cores.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        init_compiled = pool.submit(lowered_init.compile, xla_options())
+        init_compiled = pool.submit(lowered_init.compile, xla_options(config))
         lowered_advance = advance_batch.lower(lowered_init.out_info, group_hparams[0], put(np.int32(length), False))
         lowered_at = time.perf_counter()
-        compiled_advance, compiled_init = lowered_advance.compile(xla_options()), init_compiled.result()
+        compiled_advance, compiled_init = lowered_advance.compile(xla_options(config)), init_compiled.result()
     compiled_at = time.perf_counter()
 
     def host_state(states):

@@ -42,9 +42,9 @@ def tiny_config(**overrides) -> P.Config:
 
 
 def jit_train(config: P.Config):
-    """make_train(config) compiled as run_batch compiles its programs (with P.xla_options()), so
+    """make_train(config) compiled as run_batch compiles its programs (with P.xla_options(config)), so
     that their results can be compared bit for bit."""
-    return jax.jit(P.make_train(config), compiler_options=P.xla_options())
+    return jax.jit(P.make_train(config), compiler_options=P.xla_options(config))
 
 
 def first_rollout(config: P.Config, key, hparams: P.HParams | None = None):
@@ -732,6 +732,25 @@ def test_a_run_in_chunks_equals_one_program():
             np.testing.assert_array_equal(result.metrics[name][0], value, err_msg=f"{name}, every {every}")
         chex.assert_trees_all_equal(jax.tree.map(lambda x: x[0], result.state.params), state.params)
     assert result.metrics["env_steps"][0, -1] == 7 * 4 * 32
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compile option")
+def test_big_minibatches_compile_without_ynnpack_and_run_batch_uses_the_same_options():
+    """From EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, the CPU programs are compiled without
+    YNNPACK fusions (a speed choice); run_batch passes the same options as xla_options(config), so
+    its results equal make_train's compiled that way, bit for bit."""
+    config = tiny_config(num_envs=32, num_steps=128, num_minibatches=1, update_epochs=1,
+                         total_timesteps=2 * 32 * 128)
+    assert config.minibatch_size == P.EIGEN_DOTS_FROM_MINIBATCH
+    assert "xla_cpu_experimental_ynn_fusion_type" not in P.xla_options(tiny_config())
+    key = P.seed_keys(config)[0]
+    compiled = jit_train(config).lower(key, config.hparams).compile()
+    assert "__ynn_fusion" not in compiled.as_text()  # the custom fusion kind YNNPACK's calls carry
+    state, metrics = compiled(key, config.hparams)
+    result = P.run(config)
+    for name, value in metrics.items():
+        np.testing.assert_array_equal(result.metrics[name][0], value, err_msg=name)
+    chex.assert_trees_all_equal(jax.tree.map(lambda x: x[0], result.state.params), state.params)
 
 
 def directory_bytes(path) -> dict[str, bytes]:
