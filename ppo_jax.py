@@ -1408,26 +1408,39 @@ def to_host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-# On CPU, a minibatch of at least this many samples runs its dots as XLA's own (Eigen) dots instead
-# of YNNPACK fusions (xla_options): measured faster on big minibatches, slower on small ones.
+# On a CPU without AVX-512, a minibatch of at least this many samples runs its dots as XLA's own
+# (Eigen) dots instead of YNNPACK fusions (xla_options): measured faster on big minibatches there,
+# slower on small ones, and slower at every size on a CPU with AVX-512.
 EIGEN_DOTS_FROM_MINIBATCH = 4096
+
+
+@functools.cache
+def cpu_has_avx512() -> bool:
+    """Whether this machine's CPU has AVX-512 (Linux's /proc/cpuinfo; True where unknown, which keeps
+    XLA's defaults)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512f" in f.read()
+    except OSError:
+        return True
 
 
 def xla_options(config: Config | None = None) -> dict[str, Any] | None:
     """Options for compiling our programs (config: the run's, for the minibatch size). On CPU:
     - XLA's generated loops go through LLVM at optimisation level 1 instead of 3 (compile time):
-      the classic config's programs compile in ~6 s instead of ~9-10 here and run as fast, within
-      this machine's noise: their heavy ops, the dots, are library calls that the level does not
-      touch.
-    - From EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, no YNNPACK fusions (speed). CartPole,
-      env steps/s with them off: 512 envs (16384-sample minibatches) +15 % through run_batch;
-      same-process A/Bs: 4096 samples +5 %, 8192 +14 %; but 2048 +1 %, 256 (Pendulum) +2 %,
-      128 (the classic config) -8 %.
+      the classic config's programs compile in ~6 s instead of ~9-10 on a 2-core AMD EPYC and run
+      as fast, within the machine's noise: their heavy ops, the dots, are library calls that the
+      level does not touch.
+    - Without AVX-512, from EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, no YNNPACK fusions
+      (speed). CartPole env steps/s with them off, 2-core AMD EPYC (AVX2): 512 envs (16384-sample
+      minibatches) +15 % through run_batch; same-process A/Bs: 4096 samples +5 %, 8192 +14 %; but
+      2048 +1 %, 256 (Pendulum) +2 %, 128 (the classic config) -8 %. On a 2-core Intel Xeon with
+      AVX-512: -4 to -7 % at 4096, 8192 and 16384 samples, so YNNPACK stays on there.
     Both are in README, Speed. Accelerators keep XLA's defaults."""
     if jax.default_backend() != "cpu":
         return None
     options = {"xla_backend_optimization_level": 1}
-    if config is not None and config.minibatch_size >= EIGEN_DOTS_FROM_MINIBATCH:
+    if config is not None and config.minibatch_size >= EIGEN_DOTS_FROM_MINIBATCH and not cpu_has_avx512():
         options["xla_cpu_experimental_ynn_fusion_type"] = ""  # the empty set of fusion types
     return options
 

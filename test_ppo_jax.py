@@ -735,13 +735,17 @@ def test_a_run_in_chunks_equals_one_program():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compile option")
-def test_big_minibatches_compile_without_ynnpack_and_run_batch_uses_the_same_options():
-    """From EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, the CPU programs are compiled without
-    YNNPACK fusions (a speed choice); run_batch passes the same options as xla_options(config), so
-    its results equal make_train's compiled that way, bit for bit."""
+def test_big_minibatches_compile_without_ynnpack_and_run_batch_uses_the_same_options(monkeypatch):
+    """On a CPU without AVX-512 (made so here, whatever this machine has), from
+    EIGEN_DOTS_FROM_MINIBATCH samples per minibatch the programs are compiled without YNNPACK
+    fusions (a speed choice); run_batch passes the same options as xla_options(config), so its
+    results equal make_train's compiled that way, bit for bit. With AVX-512, XLA's default stays."""
     config = tiny_config(num_envs=32, num_steps=128, num_minibatches=1, update_epochs=1,
                          total_timesteps=2 * 32 * 128)
     assert config.minibatch_size == P.EIGEN_DOTS_FROM_MINIBATCH
+    monkeypatch.setattr(P, "cpu_has_avx512", lambda: True)
+    assert "xla_cpu_experimental_ynn_fusion_type" not in P.xla_options(config)
+    monkeypatch.setattr(P, "cpu_has_avx512", lambda: False)
     assert "xla_cpu_experimental_ynn_fusion_type" not in P.xla_options(tiny_config())
     key = P.seed_keys(config)[0]
     compiled = jit_train(config).lower(key, config.hparams).compile()
@@ -933,6 +937,20 @@ def test_learns_cartpole_classic_config_and_eval_confirms_it(tmp_path):
     returns = P.main(["--eval", str(tmp_path / "run"), "--episodes", "20", "--deterministic"])
     print(f"CartPole-v1 deterministic eval per seed: {returns.mean(axis=1)}")
     assert np.all(returns.mean(axis=1) >= 475), returns
+
+
+def test_learns_bench_plain_ppo_yardstick():
+    """bench.py's plain PPO, the speed yardstick, does the same work: it learns CartPole as PPO does
+    (random play returns ~22; 65k steps of the classic hyperparameters at 8 envs: ~150-210)."""
+    import bench
+
+    config = dataclasses.replace(P.default_config("CartPole-v1"), num_envs=8, total_timesteps=65_536)
+    program, keys, steps = bench.plain_ppo(config, agents=2)
+    assert steps == 2 * config.num_updates * config.batch_size
+    returns = np.asarray(program(keys))  # [agents, updates]
+    assert returns.shape == (2, config.num_updates)
+    assert np.all(np.nanmean(returns[:, :3], axis=1) < 40), returns[:, :3]
+    assert np.all(np.nanmean(returns[:, -returns.shape[1] // 10:], axis=1) >= 100), returns[:, -6:]
 
 
 def test_learns_pendulum():
