@@ -14,6 +14,9 @@ its own fresh process, so its compile is cold and its peak RSS its own. For each
 - two references measured in the same process, on the same env and number of envs: the env alone
   (random actions, vmapped, scanned) and env + actor-critic forward + sampling. PPO / (env+fwd) is
   the headline: how close the whole algorithm gets to just acting;
+- for the discrete (CartPole) configs, a yardstick in the same process: plain_ppo, the same PPO on
+  the same work written the straightforward way of single-file JAX PPOs (ppo_over_plain: how much
+  ppo_jax's speed work buys, independent of the machine's drift), and its final return;
 - achieved FLOP/s: the network's dense-layer FLOPs per env step (rollout forward, the next-value and
   KL passes, and update_epochs x forward+backward, counted as 3 forwards) x env steps/s, against a
   measured matmul peak of this machine (1024 x 1024 float32 matmuls).
@@ -105,6 +108,103 @@ def references(env_id: str, num_envs: int, steps: int, repeats: int):
     return env_only, env_forward
 
 
+def plain_ppo(config, agents: int):
+    """A yardstick for the speed of the whole algorithm: the same PPO (network, hyperparameters, work
+    per env step) written the straightforward way of single-file JAX PPOs, with none of ppo_jax's
+    speed work: gymnax's own auto-resetting step, keys split at every step, the critic evaluated in
+    the rollout loop, optax's clipping and Adam over the parameter tree, a jax.random.permutation
+    and a gather per epoch, agents vmapped. Discrete actions only. Returns (compiled program,
+    its argument, env steps per call); the program returns each agent's mean episode return per update."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import ppo_jax as P
+
+    h = config.hparams
+    env = P.make_env(config)
+    network = P.make_network(config, env)
+    gym, gym_params = env.env, env.env_params
+    n, t, m = config.num_envs, config.num_steps, config.num_minibatches
+    num_updates = config.num_updates
+
+    def schedule(count):  # linear annealing, per update
+        return h.lr * (1.0 - (count // (m * config.update_epochs)) / num_updates)
+
+    tx = optax.chain(optax.clip_by_global_norm(h.max_grad_norm), optax.adam(schedule, eps=h.adam_eps))
+
+    def train(key):
+        key, init_key, reset_key = jax.random.split(key, 3)
+        obs, env_state = jax.vmap(gym.reset, in_axes=(0, None))(jax.random.split(reset_key, n), gym_params)
+        obs = obs.reshape(n, -1)
+        params = network.init(init_key, obs[None], jnp.ones((1, n), bool), jnp.zeros((n, 0)))
+        carry = (params, tx.init(params), env_state, obs, jnp.zeros(n), key)
+
+        def loss(params, obs, action, old_log_prob, old_value, advantage, target):
+            _, dist, value = network.apply(params, obs)
+            ratio = jnp.exp(dist.log_prob(action) - old_log_prob)
+            advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+            surrogate = jnp.minimum(ratio * advantage, jnp.clip(ratio, 1 - h.clip_eps, 1 + h.clip_eps) * advantage)
+            clipped_value = old_value + jnp.clip(value - old_value, -h.clip_eps, h.clip_eps)
+            value_loss = 0.5 * jnp.maximum((value - target) ** 2, (clipped_value - target) ** 2).mean()
+            return -surrogate.mean() + h.vf_coef * value_loss - h.ent_coef * dist.entropy().mean()
+
+        def update(carry, _):
+            def step(carry, _):
+                params, opt_state, env_state, obs, running_return, key = carry
+                key, action_key, step_key = jax.random.split(key, 3)
+                _, dist, value = network.apply(params, obs)
+                action = dist.sample(action_key)
+                next_obs, env_state, reward, terminated, truncated, _ = jax.vmap(
+                    gym.step, in_axes=(0, 0, 0, None))(jax.random.split(step_key, n), env_state, action, gym_params)
+                done = (terminated | truncated).astype(jnp.float32)
+                running_return = running_return + reward  # for the learning check: episode returns
+                out = (obs, action, dist.log_prob(action), value, reward, done, running_return)
+                running_return = running_return * (1 - done)
+                return (params, opt_state, env_state, next_obs.reshape(n, -1), running_return, key), out
+
+            carry, (obs, action, log_prob, value, reward, done, returns) = jax.lax.scan(step, carry, None, length=t)
+            params, opt_state, env_state, last_obs, running_return, key = carry
+            _, _, last_value = network.apply(params, last_obs)
+
+            def gae(carry, x):
+                advantage, next_value = carry
+                reward, value, done = x
+                delta = reward + h.gamma * next_value * (1 - done) - value
+                advantage = delta + h.gamma * h.gae_lambda * (1 - done) * advantage
+                return (advantage, value), advantage
+
+            _, advantage = jax.lax.scan(gae, (jnp.zeros(n), last_value), (reward, value, done), reverse=True)
+            batch = jax.tree.map(lambda x: x.reshape(n * t, *x.shape[2:]),
+                                 (obs, action, log_prob, value, advantage, advantage + value))
+
+            def epoch(carry, _):
+                params, opt_state, key = carry
+                key, shuffle_key = jax.random.split(key)
+                order = jax.random.permutation(shuffle_key, n * t)
+                minibatches = jax.tree.map(lambda x: jnp.take(x, order, axis=0).reshape(m, -1, *x.shape[1:]), batch)
+
+                def minibatch(carry, minibatch):
+                    params, opt_state = carry
+                    grads = jax.grad(loss)(params, *minibatch)
+                    updates, opt_state = tx.update(grads, opt_state)
+                    return (optax.apply_updates(params, updates), opt_state), None
+
+                (params, opt_state), _ = jax.lax.scan(minibatch, (params, opt_state), minibatches)
+                return (params, opt_state, key), None
+
+            (params, opt_state, key), _ = jax.lax.scan(epoch, (params, opt_state, key), None,
+                                                       length=config.update_epochs)
+            episode_return = jnp.sum(done * returns) / jnp.sum(done)  # NaN where no episode ended
+            return (params, opt_state, env_state, last_obs, running_return, key), episode_return
+
+        return jax.lax.scan(update, carry, None, length=num_updates)[1]
+
+    keys = jax.random.split(jax.random.PRNGKey(0), agents)
+    compiled = jax.jit(jax.vmap(train)).lower(keys).compile()
+    return compiled, keys, agents * num_updates * config.batch_size
+
+
 def matmul_peak(repeats: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -158,6 +258,12 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None) -> d
                                        repeats)
     flops = network_flops_per_step(config, P.make_env(config)) * steps_per_s
     peak = matmul_peak(repeats)
+    if P.make_env(config).discrete:  # the plain PPO yardstick, same work, same process
+        plain, plain_keys, plain_steps = plain_ppo(config, agents)
+        plain_returns = np.asarray(plain(plain_keys))
+        row["plain_steps_per_s"] = round(plain_steps / timed(plain, plain_keys, repeats=repeats))
+        row["ppo_over_plain"] = round(steps_per_s / row["plain_steps_per_s"], 2)
+        row["plain_final_return"] = round(float(np.nanmean(plain_returns[:, -max(1, plain_returns.shape[1] // 10):])), 1)
     row.update({
         "run_s": round(run_seconds, 2),
         "env_steps_per_s": round(steps_per_s),
@@ -180,8 +286,8 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None) -> d
 
 
 COLUMNS = ("config", "agents", "envs", "lower_s", "compile_s", "run_s", "env_steps_per_s", "env_only_steps_per_s",
-           "env_forward_steps_per_s", "ppo_over_env_forward", "achieved_gflops", "peak_gflops", "achieved_over_peak",
-           "peak_rss_mb", "final_return")
+           "env_forward_steps_per_s", "ppo_over_env_forward", "plain_steps_per_s", "ppo_over_plain", "achieved_gflops",
+           "peak_gflops", "achieved_over_peak", "peak_rss_mb", "final_return", "plain_final_return")
 
 
 def print_table(rows):
