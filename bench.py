@@ -4,6 +4,7 @@
     python bench.py --quick    # shorter runs of the two CartPole headline configs, about 2 minutes
     python bench.py --configs cartpole_classic cartpole_512envs   # some of them
     python bench.py --gpu      # on an accelerator: 1 to 2048 CartPole agents x 5e5 steps, brax:ant x 5e7
+    python bench.py --no-plain # without the plain-PPO yardstick (below)
 
 Prints a table and writes bench.json (the figures, the machine, the versions). Each config runs in
 its own fresh process, so its compile is cold and its peak RSS its own. For each config:
@@ -53,11 +54,13 @@ QUICK = ("cartpole_classic", "cartpole_512envs")
 GPU = tuple(name for name in CONFIGS if name.startswith("gpu_"))
 
 
-def timed(fn, *args, repeats=3):
-    """Median wall seconds of fn(*args) over `repeats` runs after one warm-up run."""
+def timed(fn, *args, repeats=3, warm_up=True):
+    """Median wall seconds of fn(*args) over `repeats` runs after one warm-up run (warm_up=False:
+    the caller has run it already)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
+    if warm_up:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -229,7 +232,7 @@ def network_flops_per_step(config, env) -> float:
     return forward * (3 + 3 * config.update_epochs)
 
 
-def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None) -> dict:
+def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None, with_plain: bool = True) -> dict:
     """Runs in its own process: measure one config."""
     import jax
 
@@ -258,10 +261,10 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None) -> d
                                        repeats)
     flops = network_flops_per_step(config, P.make_env(config)) * steps_per_s
     peak = matmul_peak(repeats)
-    if P.make_env(config).discrete:  # the plain PPO yardstick, same work, same process
+    if with_plain and P.make_env(config).discrete:  # the plain PPO yardstick, same work, same process
         plain, plain_keys, plain_steps = plain_ppo(config, agents)
-        plain_returns = np.asarray(plain(plain_keys))
-        row["plain_steps_per_s"] = round(plain_steps / timed(plain, plain_keys, repeats=repeats))
+        plain_returns = np.asarray(plain(plain_keys))  # also the warm-up run
+        row["plain_steps_per_s"] = round(plain_steps / timed(plain, plain_keys, repeats=repeats, warm_up=False))
         row["ppo_over_plain"] = round(steps_per_s / row["plain_steps_per_s"], 2)
         row["plain_final_return"] = round(float(np.nanmean(plain_returns[:, -max(1, plain_returns.shape[1] // 10):])), 1)
     row.update({
@@ -319,11 +322,12 @@ def main():
     parser.add_argument("--gpu", action="store_true", help=f"the accelerator configs: {', '.join(GPU)}")
     parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), help="only these configs")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median; default 3)")
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain-PPO yardstick (saves ~1/3 of the time)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_config(args.one, args.quick, args.repeats, args.cache_dir)))
+        print(json.dumps(one_config(args.one, args.quick, args.repeats, args.cache_dir, not args.no_plain)))
         return
     names = args.configs or (GPU if args.gpu else QUICK if args.quick else [n for n in CONFIGS if n not in GPU])
     results = {"machine": machine(), "quick": args.quick, "configs": []}
@@ -332,6 +336,7 @@ def main():
         for name in names:
             command = [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats)]
             command += ["--quick"] if args.quick else []
+            command += ["--no-plain"] if args.no_plain else []
             command += ["--cache-dir", cache_dir] if name == "cartpole_classic" else []
             output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             results["configs"].append(json.loads(output.strip().splitlines()[-1]))
