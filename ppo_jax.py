@@ -1017,6 +1017,26 @@ def minibatch_step(carry, minibatch: Batch, network, unravel, tx, hparams, lr, k
     return (flat_params, opt_state, stopped), diagnostics
 
 
+def random_orders(key, rows: int, n: int):
+    """[rows, n] int32, each row a uniformly random permutation of range(n), by sorting random keys.
+
+    Written for speed: on CPU, XLA sorts one uint32 array ~4.5x faster than it argsorts (key, index)
+    pairs (65k samples: ~11 against ~48 ms), so each key carries its index in its low bits, and one
+    sort of the keys gives the order. That leaves 32 - log2(n) random bits per key, so
+    ceil(32 / random bits) such sorts are composed: two elements keep their original order only if
+    their keys tie in every round, which leaves fewer such pairs (~n^2 / 2^33) than one argsort of
+    32-bit keys does."""
+    index_bits = max(1, (n - 1).bit_length())  # n <= 2^31: int32 indices
+    low = jnp.uint32((1 << index_bits) - 1)
+    rounds = -(-32 // (32 - index_bits))
+    keys = (jax.random.bits(key, (rounds, rows, n), jnp.uint32) & ~low) | jnp.arange(n, dtype=jnp.uint32)
+    positions = (jnp.sort(keys, axis=-1) & low).astype(jnp.int32)  # [rounds, rows, n]
+    order = positions[0]
+    for position in positions[1:]:  # round r shuffles the order that the rounds before it made
+        order = jnp.take_along_axis(order, position, axis=-1)
+    return order
+
+
 def shuffle_into_minibatches(permutation, batch: Batch, num_minibatches: int) -> Batch:
     """[B, ...] -> [M, B/M, ...] in the order of `permutation` (sampling without replacement)."""
     return jax.tree.map(lambda x: jnp.take(x, permutation, axis=0).reshape(num_minibatches, -1, *x.shape[1:]), batch)
@@ -1078,10 +1098,8 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, tx, 
     # Speed: every epoch's shuffle drawn in one vectorised call, and the gradient steps on one flat
     # parameter vector, so that clipping and Adam are a few fused ops instead of a few per leaf.
     key, epoch_key = jax.random.split(state.key)
-    # One sort of random 32-bit keys per epoch (jax.random.permutation sorts in 2 rounds beyond
-    # ~2^11 samples, for exact uniformity; here 65k samples have ~0.5 tied pairs, kept in order).
     shuffled = config.num_envs if recurrent else config.batch_size  # whole env sequences, or samples
-    permutations = jnp.argsort(jax.random.bits(epoch_key, (config.update_epochs, shuffled)), axis=-1)
+    permutations = random_orders(epoch_key, config.update_epochs, shuffled)
     flat_params, unravel = ravel_pytree(state.params)
     lr = learning_rate(hparams, state.update, config.num_updates)
     step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, tx=tx, hparams=hparams, lr=lr,

@@ -291,6 +291,37 @@ def test_ratio_is_exactly_one_on_first_minibatch():
     np.testing.assert_array_equal(ratio, 1.0)
 
 
+@pytest.mark.parametrize("n", [1, 2, 5, 512, 1025, 65539])
+def test_random_orders_are_permutations(n):
+    """Every row is a permutation of range(n): one round (n = 2: 31 random bits per key), two
+    (512, 1025), three (65539: 17 index bits, 15 random), and rows differ."""
+    orders = np.asarray(P.random_orders(jax.random.PRNGKey(n), 3, n))
+    assert orders.shape == (3, n) and orders.dtype == np.int32
+    np.testing.assert_array_equal(np.sort(orders, axis=1), np.broadcast_to(np.arange(n), (3, n)))
+    if n > 2:
+        assert not np.array_equal(orders[0], orders[1])
+
+
+def test_random_orders_are_uniform():
+    """Chi-square against the uniform distribution: each of the 24 orders of 4 elements; and for
+    1025 elements (two composed sorts) where element 0 lands and which element comes first, in 16
+    equal bins, and how often element 1 precedes element 2 (a tie kept in order would favour 1)."""
+    small = np.asarray(P.random_orders(jax.random.PRNGKey(0), 48_000, 4))
+    codes = small @ np.array([64, 16, 4, 1])
+    counts = np.bincount(np.unique(codes, return_inverse=True)[1])
+    assert len(counts) == 24
+    assert scipy.stats.chisquare(counts).pvalue > 1e-3, counts
+    n, rows = 1025, 4096
+    big = np.asarray(P.random_orders(jax.random.PRNGKey(1), rows, n))
+    where_zero = np.argmax(big == 0, axis=1)
+    for values in (where_zero, big[:, 0]):
+        bins = np.bincount(values * 16 // n, minlength=16)  # bin b: values in [b n / 16, (b + 1) n / 16)
+        expected = rows * np.diff(np.ceil(np.arange(17) * n / 16)) / n
+        assert scipy.stats.chisquare(bins, expected).pvalue > 1e-3, bins
+    one_first = np.mean(np.argmax(big == 1, axis=1) < np.argmax(big == 2, axis=1))
+    assert abs(one_first - 0.5) < 4 * 0.5 / np.sqrt(rows), one_first
+
+
 # ------------------------------------------------------------------------------------------------
 # The whole program
 # ------------------------------------------------------------------------------------------------
