@@ -117,7 +117,8 @@ def plain_ppo(config, agents: int):
     speed work: gymnax's own auto-resetting step, keys split at every step, the critic evaluated in
     the rollout loop, optax's clipping and Adam over the parameter tree, a jax.random.permutation
     and a gather per epoch, agents vmapped. Discrete actions only. Returns (compiled program,
-    its argument, env steps per call); the program returns each agent's mean episode return per update."""
+    its argument, env steps per call); the program returns metrics as ppo_jax's do, [agents,
+    updates]: episode_return (the mean of the episodes that ended in the update) and episodes."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -198,8 +199,9 @@ def plain_ppo(config, agents: int):
 
             (params, opt_state, key), _ = jax.lax.scan(epoch, (params, opt_state, key), None,
                                                        length=config.update_epochs)
-            episode_return = jnp.sum(done * returns) / jnp.sum(done)  # NaN where no episode ended
-            return (params, opt_state, env_state, last_obs, running_return, key), episode_return
+            metrics = {"episode_return": jnp.sum(done * returns) / jnp.sum(done),  # NaN where none ended
+                       "episodes": jnp.sum(done)}
+            return (params, opt_state, env_state, last_obs, running_return, key), metrics
 
         return jax.lax.scan(update, carry, None, length=num_updates)[1]
 
@@ -259,14 +261,15 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None, with
     steps_per_s = row["steps_per_agent"] * agents / run_seconds
     env_only, env_forward = references(config.env, config.num_envs * agents, min(row["steps_per_agent"] * agents, 1 << 21),
                                        repeats)
-    flops = network_flops_per_step(config, P.make_env(config)) * steps_per_s
+    env = P.make_env(config)
+    flops = network_flops_per_step(config, env) * steps_per_s
     peak = matmul_peak(repeats)
-    if with_plain and P.make_env(config).discrete:  # the plain PPO yardstick, same work, same process
+    if with_plain and env.discrete:  # the plain PPO yardstick, same work, same process
         plain, plain_keys, plain_steps = plain_ppo(config, agents)
-        plain_returns = np.asarray(plain(plain_keys))  # also the warm-up run
+        plain_metrics = jax.tree.map(np.asarray, plain(plain_keys))  # also the warm-up run
         row["plain_steps_per_s"] = round(plain_steps / timed(plain, plain_keys, repeats=repeats, warm_up=False))
         row["ppo_over_plain"] = round(steps_per_s / row["plain_steps_per_s"], 2)
-        row["plain_final_return"] = round(float(np.nanmean(plain_returns[:, -max(1, plain_returns.shape[1] // 10):])), 1)
+        row["plain_final_return"] = round(float(np.nanmean(P.final_return(plain_metrics))), 1)
     row.update({
         "run_s": round(run_seconds, 2),
         "env_steps_per_s": round(steps_per_s),

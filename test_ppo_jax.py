@@ -978,7 +978,7 @@ def test_learns_bench_plain_ppo_yardstick():
     config = dataclasses.replace(P.default_config("CartPole-v1"), num_envs=8, total_timesteps=65_536)
     program, keys, steps = bench.plain_ppo(config, agents=2)
     assert steps == 2 * config.num_updates * config.batch_size
-    returns = np.asarray(program(keys))  # [agents, updates]
+    returns = np.asarray(program(keys)["episode_return"])  # [agents, updates]
     assert returns.shape == (2, config.num_updates)
     assert np.all(np.nanmean(returns[:, :3], axis=1) < 40), returns[:, :3]
     assert np.all(np.nanmean(returns[:, -returns.shape[1] // 10:], axis=1) >= 100), returns[:, -6:]
