@@ -24,6 +24,7 @@ COMPILE_CACHE = os.environ["PPO_JAX_COMPILE_CACHE"]
 
 import chex  # noqa: E402
 import jax  # noqa: E402
+import jax.flatten_util  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -463,6 +464,48 @@ def test_target_kl_masks_the_remaining_steps():
     assert np.all(stopped["grad_steps"] >= 1) and np.any(stopped["grad_steps"] < full)
 
 
+def test_grad_slices_give_the_whole_minibatch_gradient_step():
+    """--grad-slices: a gradient step whose gradient is the mean of 4 slices' equals the step on the
+    whole minibatch (jax.grad of its mean loss) up to float rounding: params, Adam's state and every
+    diagnostic, with the advantages normalised over the whole minibatch, clipping and the KL
+    penalty acting."""
+    config = tiny_config(num_envs=8, num_steps=64, num_minibatches=2)  # minibatches of 256
+    network, state, _, traj = first_rollout(config, jax.random.PRNGKey(5))
+    advantages = 3.0 * jax.random.normal(jax.random.PRNGKey(6), traj.value.shape) + 1.0
+    batch = P.make_batch(traj, advantages, traj.value + advantages, state.hidden, recurrent=False)
+    minibatch = jax.tree.map(lambda x: x[:config.minibatch_size], batch)
+    flat, unravel = jax.flatten_util.ravel_pytree(state.params)
+    flat = flat + 0.15 * jax.random.normal(jax.random.PRNGKey(7), flat.shape)  # ratios away from 1
+    hparams = dataclasses.replace(config.hparams, clip_eps=0.1)
+    tx = P.make_optimizer(hparams)
+
+    def step(slices):
+        fn = lambda carry, mb: P.minibatch_step(carry, mb, network, unravel, tx, hparams, 1e-3, 0.5, slices)  # noqa: E731
+        return jax.jit(fn)((flat, tx.init(flat), jnp.array(False)), minibatch)
+
+    (whole_params, whole_adam, _), whole = step(1)
+    (params, adam, _), sliced = step(4)
+    assert 0.05 < float(whole["clip_frac"]) < 0.95
+    np.testing.assert_allclose(params, whole_params, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(adam, whole_adam, rtol=2e-5, atol=1e-9)
+    for name, value in whole.items():
+        np.testing.assert_allclose(sliced[name], value, rtol=2e-5, atol=1e-7, err_msg=name)
+
+
+def test_grad_slices_auto_follows_the_minibatch_size():
+    cartpole = lambda **kw: dataclasses.replace(P.default_config("CartPole-v1"), **kw)  # noqa: E731
+    if jax.default_backend() == "cpu":
+        assert P.slices_per_minibatch(cartpole()) == 1  # 128 samples
+        assert P.slices_per_minibatch(cartpole(num_envs=64)) == 2  # 2048
+        assert P.slices_per_minibatch(cartpole(num_envs=96)) == 3  # 3072
+        assert P.slices_per_minibatch(cartpole(num_envs=512)) == P.MAX_GRAD_SLICES  # 16384
+        assert P.slices_per_minibatch(cartpole(num_envs=512, recurrent="gru")) == 1
+    else:
+        assert P.slices_per_minibatch(cartpole(num_envs=512)) == 1
+    assert P.slices_per_minibatch(cartpole(num_envs=512, grad_slices=1)) == 1
+    assert P.slices_per_minibatch(cartpole(grad_slices=4)) == 4
+
+
 def switch_test_config():
     # Pendulum: 256-step rollouts cross its 200-step time limit, so truncation matters.
     return tiny_config(env="Pendulum-v1", num_steps=256, total_timesteps=4 * 256 * 2)
@@ -736,6 +779,8 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--sweep", "/nonexistent/spec.toml"], ["--sweep", "/nonexistent/spec.toml"]),
     (["--recurrent", "gru", "--num-envs", "6"], ["--num-minibatches 4", "--num-envs 6", "whole env sequences"]),
     (["--recurrent", "gru", "--recurrent-size", "0"], ["--recurrent-size", "positive"]),
+    (["--grad-slices", "3"], ["--grad-slices", "divide", "128"]),
+    (["--recurrent", "gru", "--grad-slices", "2"], ["--grad-slices", "feedforward"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
