@@ -167,11 +167,12 @@ class Config:
     """Passes over each batch (PPO paper's K epochs)."""
     num_minibatches: int = 4
     """Minibatches per epoch; must divide the batch."""
-    grad_slices: int = 0
+    slices: int = 0
     """Compute each minibatch's gradient as the mean of the gradients of this many equal slices of
-    it, each its own piece of the program: the same gradient, up to float rounding, computed
-    faster on CPU (see mean_over_slices). 0: auto (on CPU, one slice per GRAD_SLICE_SAMPLES samples,
-    at most MAX_GRAD_SLICES; on accelerators 1); 1: the whole minibatch at once. Feedforward only."""
+    it, and the next-value and KL passes over the whole batch in as many slices, each slice its own
+    piece of the program: the same results up to float rounding, faster on CPU (see over_slices).
+    0: auto (on CPU, one slice per SLICE_SAMPLES samples of a minibatch, at most MAX_SLICES; on
+    accelerators 1); 1: no slicing. Feedforward networks only."""
     hidden_sizes: tuple[int, ...] = (64, 64)
     """Widths of the hidden layers of the actor and of the critic."""
     activation: Literal["tanh", "relu"] = "tanh"
@@ -1004,34 +1005,38 @@ def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_co
     return total, diagnostics
 
 
-def mean_over_slices(fn, batch: Batch, slices: int):
-    """fn(batch), for an fn whose outputs are means over the batch's samples (a loss, its gradient,
-    diagnostics), computed as the mean of fn over `slices` equal consecutive slices of a flat batch.
+def over_slices(fn, batch, slices: int, mean: bool = False):
+    """fn(batch) computed on `slices` equal consecutive slices of a flat batch (a pytree of [B, ...]
+    arrays), its outputs concatenated; with mean=True, for an fn whose outputs are means over the
+    samples (a loss, its gradient, diagnostics), averaged instead.
 
     Written for speed, on CPU: on a minibatch of 16384 samples, the network's activations are 4 MB
     each, larger than a core's cache, and one op on them uses the cores poorly (the weight
     gradients, dots over 16384 samples, run at a third of the forward's FLOP/s). Each slice's
     computation is its own piece of the program (a Python loop: unrolled), cache-sized, and
     independent of the others, so XLA runs them side by side on the cores. One gradient step on
-    16384 samples, 2-core Xeon: 9.4 ms whole, ~7.5 ms in 8 or 16 slices; see README, Speed."""
+    16384 samples, 2-core Xeon: 9.4 ms whole, ~7.9 ms in 8 slices; the critic on 65536 samples:
+    10.5 ms whole, 5.2 ms in 8 slices. See README, Speed."""
     if slices == 1:
         return fn(batch)
-    size = batch.advantages.shape[0] // slices
+    size = jax.tree.leaves(batch)[0].shape[0] // slices
     parts = [fn(jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch)) for i in range(slices)]
-    return jax.tree.map(lambda *values: sum(values) / slices, *parts)
+    if mean:
+        return jax.tree.map(lambda *values: sum(values) / slices, *parts)
+    return jax.tree.map(lambda *values: jnp.concatenate(values), *parts)
 
 
 def minibatch_step(carry, minibatch: Batch, network, unravel, tx, hparams, lr, kl_coef, slices: int):
     """One gradient step on the flat parameter vector (`unravel` gives the network's params), unless
     --target-kl has stopped this update (a mask, not a branch, so the whole update stays one program).
     The advantages are normalised over the whole minibatch, then its gradient is computed in
-    `slices` slices (--grad-slices)."""
+    `slices` slices (--slices)."""
     flat_params, opt_state, stopped = carry
     advantages = minibatch.advantages
     normalised = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     minibatch = minibatch.replace(advantages=jnp.where(hparams.norm_adv, normalised, advantages))
     grad = jax.grad(lambda flat, part: ppo_loss(unravel(flat), network, part, hparams, kl_coef), has_aux=True)
-    grads, diagnostics = mean_over_slices(lambda part: grad(flat_params, part), minibatch, slices)
+    grads, diagnostics = over_slices(lambda part: grad(flat_params, part), minibatch, slices, mean=True)
     stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
     diagnostics["grad_norm"] = jnp.sqrt(jnp.sum(grads**2))  # before clipping; non-finite: see the NaN guard
     updates, new_opt_state = tx.update(grads, opt_state, flat_params)
@@ -1109,10 +1114,14 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, tx, 
     # The critic's value of the true next state of every step, in one batched pass of one step
     # each (continuing from the state after that step). Where no episode ended, final_obs is
     # simply the next observation.
-    steps = config.num_steps * config.num_envs
-    _, _, next_values = policy_step(network, state.params, traj.final_obs.reshape(steps, -1),
-                                    jnp.zeros(steps, bool), traj.hidden.reshape(steps, -1))
-    next_values = next_values.reshape(config.num_steps, config.num_envs)
+    steps, slices = config.num_steps * config.num_envs, slices_per_pass(config)
+
+    def next_value(part):  # (final observations, hidden states) of some steps -> their values
+        obs, hidden = part
+        return policy_step(network, state.params, obs, jnp.zeros(len(obs), bool), hidden)[2]
+
+    final = (traj.final_obs.reshape(steps, -1), traj.hidden.reshape(steps, -1))
+    next_values = over_slices(next_value, final, slices).reshape(config.num_steps, config.num_envs)
     terminated = jnp.where(hparams.bootstrap_truncation, traj.terminated, traj.done)
     advantages, targets = compute_gae(
         traj.reward, traj.value, next_values, terminated, traj.done, hparams.gamma, hparams.gae_lambda
@@ -1128,15 +1137,15 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, tx, 
     flat_params, unravel = ravel_pytree(state.params)
     lr = learning_rate(hparams, state.update, config.num_updates)
     step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, tx=tx, hparams=hparams, lr=lr,
-                                kl_coef=state.kl_coef, slices=slices_per_minibatch(config))
+                                kl_coef=state.kl_coef, slices=slices)
     epoch = functools.partial(epoch_step, batch=batch, num_minibatches=config.num_minibatches, step_fn=step_fn)
     (flat_params, opt_state, _), diagnostics = jax.lax.scan(
         epoch, (flat_params, state.opt_state, jnp.array(False)), permutations)
     params = unravel(flat_params)
 
     # PPO-Penalty: d = the exact mean KL between the old and the updated policy over the batch.
-    _, new_dist, _ = network.apply(params, batch.obs, batch.first, batch.hidden)
-    kl = jnp.mean(batch.dist.kl(new_dist))
+    new_kl = lambda part: jnp.mean(part.dist.kl(network.apply(params, part.obs, part.first, part.hidden)[1]))  # noqa: E731
+    kl = over_slices(new_kl, batch, slices, mean=True)
     kl_coef = jnp.where(hparams.kl_target > 0, adaptive_kl_coef(state.kl_coef, kl, hparams.kl_target), state.kl_coef)
 
     ended = traj.done.astype(jnp.float32)
@@ -1375,11 +1384,11 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
     if config.minibatch_size < 2:
         raise ConfigError(f"--num-minibatches {config.num_minibatches}: minibatches of {config.minibatch_size} "
                           "sample(s) cannot be normalised; use fewer minibatches")
-    if config.grad_slices < 0 or (config.grad_slices and config.minibatch_size % config.grad_slices):
-        raise ConfigError(f"--grad-slices {config.grad_slices}: must divide the minibatch of {config.minibatch_size} "
-                          "samples (or 0: auto)")
-    if config.grad_slices > 1 and config.recurrent != "none":
-        raise ConfigError(f"--grad-slices {config.grad_slices}: slices are for feedforward networks; with "
+    if config.slices < 0 or (config.slices and config.minibatch_size % config.slices):
+        raise ConfigError(f"--slices {config.slices}: must divide the minibatch of {config.minibatch_size} samples "
+                          "(or 0: auto)")
+    if config.slices > 1 and config.recurrent != "none":
+        raise ConfigError(f"--slices {config.slices}: slices are for feedforward networks; with "
                           f"--recurrent {config.recurrent} use 0 or 1")
     if config.total_timesteps < config.batch_size:
         raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
@@ -1461,16 +1470,16 @@ def to_host(tree):
 # (Eigen) dots instead of YNNPACK fusions (xla_options): measured faster on big minibatches there,
 # slower on small ones, and slower at every size on a CPU with AVX-512.
 EIGEN_DOTS_FROM_MINIBATCH = 4096
-GRAD_SLICE_SAMPLES = 1024  # --grad-slices auto: a slice's activations (64 wide: 256 KB) stay in a core's cache
-MAX_GRAD_SLICES = 8  # and at most this many (compile time grows with each; 8 or 16 slices of 16384 run alike)
+SLICE_SAMPLES = 1024  # --slices auto: a minibatch slice's activations (64 wide: 256 KB) stay in a core's cache
+MAX_SLICES = 8  # and at most this many (compile time grows with each; 8 or 16 slices of 16384 run alike)
 
 
-def slices_per_minibatch(config: Config) -> int:
-    """--grad-slices, with 0 (auto) resolved: on CPU, for feedforward networks, the most slices of
-    at least GRAD_SLICE_SAMPLES samples, up to MAX_GRAD_SLICES, that divide the minibatch."""
-    if config.grad_slices or config.recurrent != "none" or jax.default_backend() != "cpu":
-        return config.grad_slices or 1
-    most = max(1, min(MAX_GRAD_SLICES, config.minibatch_size // GRAD_SLICE_SAMPLES))
+def slices_per_pass(config: Config) -> int:
+    """--slices, with 0 (auto) resolved: on CPU, for feedforward networks, the most slices of at
+    least SLICE_SAMPLES samples of a minibatch, up to MAX_SLICES, that divide the minibatch."""
+    if config.slices or config.recurrent != "none" or jax.default_backend() != "cpu":
+        return config.slices or 1
+    most = max(1, min(MAX_SLICES, config.minibatch_size // SLICE_SAMPLES))
     return max([n for n in range(1, most + 1) if config.minibatch_size % n == 0])
 
 

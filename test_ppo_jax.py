@@ -464,8 +464,8 @@ def test_target_kl_masks_the_remaining_steps():
     assert np.all(stopped["grad_steps"] >= 1) and np.any(stopped["grad_steps"] < full)
 
 
-def test_grad_slices_give_the_whole_minibatch_gradient_step():
-    """--grad-slices: a gradient step whose gradient is the mean of 4 slices' equals the step on the
+def test_slices_give_the_whole_minibatch_gradient_step():
+    """--slices: a gradient step whose gradient is the mean of 4 slices' equals the step on the
     whole minibatch (jax.grad of its mean loss) up to float rounding: params, Adam's state and every
     diagnostic, with the advantages normalised over the whole minibatch, clipping and the KL
     penalty acting."""
@@ -492,18 +492,31 @@ def test_grad_slices_give_the_whole_minibatch_gradient_step():
         np.testing.assert_allclose(sliced[name], value, rtol=2e-5, atol=1e-7, err_msg=name)
 
 
-def test_grad_slices_auto_follows_the_minibatch_size():
+def test_an_update_in_slices_equals_one_without():
+    """--slices 4 (the minibatch gradients, the next-value and the KL passes in 4 slices) against
+    --slices 1: one update's metrics and params equal up to float rounding."""
+    config = tiny_config(num_envs=8, num_steps=64, num_minibatches=2, total_timesteps=8 * 64)
+    hparams = dataclasses.replace(config.hparams, kl_coef=0.5, kl_target=0.01)
+    runs = [jit_train(dataclasses.replace(config, slices=n))(jax.random.PRNGKey(2), hparams) for n in (1, 4)]
+    (whole_state, whole), (state, sliced) = runs
+    for name, value in whole.items():
+        np.testing.assert_allclose(sliced[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+    chex.assert_trees_all_close(state.params, whole_state.params, rtol=1e-4, atol=1e-6)
+    assert float(whole["kl"][0]) > 0
+
+
+def test_slices_auto_follow_the_minibatch_size():
     cartpole = lambda **kw: dataclasses.replace(P.default_config("CartPole-v1"), **kw)  # noqa: E731
     if jax.default_backend() == "cpu":
-        assert P.slices_per_minibatch(cartpole()) == 1  # 128 samples
-        assert P.slices_per_minibatch(cartpole(num_envs=64)) == 2  # 2048
-        assert P.slices_per_minibatch(cartpole(num_envs=96)) == 3  # 3072
-        assert P.slices_per_minibatch(cartpole(num_envs=512)) == P.MAX_GRAD_SLICES  # 16384
-        assert P.slices_per_minibatch(cartpole(num_envs=512, recurrent="gru")) == 1
+        assert P.slices_per_pass(cartpole()) == 1  # 128 samples
+        assert P.slices_per_pass(cartpole(num_envs=64)) == 2  # 2048
+        assert P.slices_per_pass(cartpole(num_envs=96)) == 3  # 3072
+        assert P.slices_per_pass(cartpole(num_envs=512)) == P.MAX_SLICES  # 16384
+        assert P.slices_per_pass(cartpole(num_envs=512, recurrent="gru")) == 1
     else:
-        assert P.slices_per_minibatch(cartpole(num_envs=512)) == 1
-    assert P.slices_per_minibatch(cartpole(num_envs=512, grad_slices=1)) == 1
-    assert P.slices_per_minibatch(cartpole(grad_slices=4)) == 4
+        assert P.slices_per_pass(cartpole(num_envs=512)) == 1
+    assert P.slices_per_pass(cartpole(num_envs=512, slices=1)) == 1
+    assert P.slices_per_pass(cartpole(slices=4)) == 4
 
 
 def switch_test_config():
@@ -779,8 +792,8 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--sweep", "/nonexistent/spec.toml"], ["--sweep", "/nonexistent/spec.toml"]),
     (["--recurrent", "gru", "--num-envs", "6"], ["--num-minibatches 4", "--num-envs 6", "whole env sequences"]),
     (["--recurrent", "gru", "--recurrent-size", "0"], ["--recurrent-size", "positive"]),
-    (["--grad-slices", "3"], ["--grad-slices", "divide", "128"]),
-    (["--recurrent", "gru", "--grad-slices", "2"], ["--grad-slices", "feedforward"]),
+    (["--slices", "3"], ["--slices", "divide", "128"]),
+    (["--recurrent", "gru", "--slices", "2"], ["--slices", "feedforward"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
