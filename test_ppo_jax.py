@@ -454,6 +454,26 @@ def test_ppo_penalty_beta_follows_the_adaptive_rule():
     assert len(set(beta.tolist())) > 1  # it did adapt
 
 
+def test_adam_step_is_optax_bit_for_bit_and_a_stopped_step_keeps_the_state():
+    """adam_step writes out make_optimizer's update (global-norm clipping, then Adam): the same
+    direction and state as optax's tx.update, bit for bit, over steps with the gradient's norm above
+    and below --max-grad-norm; a stopped step (--target-kl) leaves the state exactly as it was."""
+    hparams = P.HParams(max_grad_norm=0.5, adam_eps=1e-5)
+    tx = P.make_optimizer(hparams)
+    grads = jax.random.normal(jax.random.PRNGKey(0), (6, 300)) * jnp.array([0.01, 1, 0.02, 3, 0.001, 2])[:, None]
+    step = jax.jit(lambda g, state, stopped: P.adam_step(g, jnp.sqrt(jnp.sum(g**2)), state, hparams, stopped))
+    state = ours = tx.init(jnp.zeros(300))
+    for g in grads:
+        updates, state = jax.jit(tx.update)(g, state)
+        direction, ours = step(g, ours, jnp.array(False))
+        np.testing.assert_array_equal(direction, updates)
+        chex.assert_trees_all_equal(ours, state)
+    direction, kept = step(grads[0], ours, jnp.array(True))
+    chex.assert_trees_all_equal(kept, ours)
+    assert np.all(np.isfinite(direction))
+    assert int(kept[1].count) == len(grads)
+
+
 def test_target_kl_masks_the_remaining_steps():
     config = tiny_config()
     train = jit_train(config)
@@ -480,7 +500,7 @@ def test_slices_give_the_whole_minibatch_gradient_step():
     tx = P.make_optimizer(hparams)
 
     def step(slices):
-        fn = lambda carry, mb: P.minibatch_step(carry, mb, network, unravel, tx, hparams, 1e-3, 0.5, slices)  # noqa: E731
+        fn = lambda carry, mb: P.minibatch_step(carry, mb, network, unravel, hparams, 1e-3, 0.5, slices)  # noqa: E731
         return jax.jit(fn)((flat, tx.init(flat), jnp.array(False)), minibatch)
 
     (whole_params, whole_adam, _), whole = step(1)
