@@ -323,6 +323,18 @@ def test_random_orders_are_uniform():
     assert abs(one_first - 0.5) < 4 * 0.5 / np.sqrt(rows), one_first
 
 
+def test_random_orders_rows_are_independent():
+    """The rows of one call share the composed rounds after the first (4096 elements: two rounds);
+    their first rounds are independent, so where element 0 lands (which quarter) in row 0 and in
+    row 1 are independent: chi-square on the 4 x 4 table over 4000 calls."""
+    n = 4096
+    orders = np.asarray(jax.jit(jax.vmap(lambda k: P.random_orders(k, 2, n)))(jax.random.split(jax.random.PRNGKey(5), 4000)))
+    quarter = np.argmax(orders == 0, axis=2) * 4 // n  # [calls, 2]
+    table = np.zeros((4, 4))
+    np.add.at(table, (quarter[:, 0], quarter[:, 1]), 1)
+    assert scipy.stats.chi2_contingency(table).pvalue > 1e-3, table
+
+
 # ------------------------------------------------------------------------------------------------
 # The whole program
 # ------------------------------------------------------------------------------------------------
