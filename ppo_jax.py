@@ -637,6 +637,57 @@ def orthogonal(scale: float):
     return init
 
 
+def kernel_grad(x, g, chunk: int):
+    """x^T g for x [n, D], g [n, F]: a dense layer's kernel gradient, a sum over the n rows.
+
+    Written for speed, on CPU: XLA's dot for x^T g, contracting over many rows into a small kernel,
+    ran at a fraction of the forward's FLOP/s here (one core, 2048 rows: 64 x 64 kernel 0.32 ms
+    against 0.17 for the forward's dot; the 64 x 1 value head 0.16 ms, as long as a 64 x 64 layer).
+    As one batched dot over chunks of `chunk` rows and a sum of the chunks' kernels: 0.25 and 0.03
+    ms. So with chunk > 0, kernels of at most 128 x 128 with at least 64 inputs, over at least 8
+    chunks, go that way; bigger kernels (MinAtar's 1600 x 128), narrow inputs (CartPole's 4, the
+    conv's 9C) and short minibatches measured no faster, or slower. See README, Speed."""
+    (n, inputs), outputs = x.shape, g.shape[1]
+    if chunk and n % chunk == 0 and n >= 8 * chunk and inputs >= 64 and inputs * outputs <= 128 * 128:
+        split = lambda a: a.reshape(n // chunk, chunk, a.shape[1])  # noqa: E731
+        return jnp.einsum("cri,crj->cij", split(x), split(g)).sum(0)
+    return x.T @ g
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def affine(x, kernel, bias, grad_chunk: int):
+    """x [..., D] @ kernel [D, F] + bias [F], its kernel gradient by kernel_grad (grad_chunk rows)."""
+    return x @ kernel + bias
+
+
+def _affine_forward(x, kernel, bias, grad_chunk):
+    return x @ kernel + bias, (x, kernel)
+
+
+def _affine_backward(grad_chunk, residuals, g):
+    x, kernel = residuals
+    rows, cols = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    return g @ kernel.T, kernel_grad(rows, cols, grad_chunk), cols.sum(0)
+
+
+affine.defvjp(_affine_forward, _affine_backward)
+
+
+class Dense(nn.Module):
+    """flax's nn.Dense (same parameters, names and initialisation: kernel [D, F], zero bias) through
+    `affine`, for its chunked kernel gradient (grad_chunk rows; 0: the plain x^T g)."""
+
+    features: int
+    kernel_init: Any
+    grad_chunk: int = 0
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+        bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        return affine(x, kernel, bias, self.grad_chunk)
+
+
 class GRU(nn.Module):
     """A GRU (Cho et al., 2014; the form of cuDNN and PyTorch, the reset gate applied after the
     recurrent matmul) over a time-major sequence, its state set to zero where an episode begins:
@@ -647,11 +698,12 @@ class GRU(nn.Module):
 
     size: int
     kernel_init: Any
+    grad_chunk: int = 0  # Dense's
 
     @nn.compact
     def __call__(self, inputs, first, hidden):  # [T, B, D], [T, B] bool, [B, H] -> states after each step [T, B, H]
         size = self.size
-        projected = nn.Dense(3 * size, kernel_init=self.kernel_init, name="input")(inputs)  # [T, B, 3H]: W x + b
+        projected = Dense(3 * size, self.kernel_init, self.grad_chunk, name="input")(inputs)  # [T, B, 3H]: W x + b
 
         def blocks(key, shape):  # U_r, U_z, U_n each initialised on its own (each orthogonal when that is the init)
             return jnp.concatenate([self.kernel_init(k, (size, size)) for k in jax.random.split(key, 3)], axis=-1)
@@ -693,6 +745,7 @@ class ActorCritic(nn.Module):
     orthogonal_init: bool = True
     image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over the observation
     recurrent_size: int = 0  # > 0: a GRU of this many units after the torso
+    grad_chunk: int = 0  # each Dense layer's kernel gradient in chunks of this many rows (speed; 0: whole)
 
     @nn.compact
     def __call__(self, obs, first=None, hidden=None):  # -> (hiddens, distribution over [...] actions, values [...])
@@ -700,7 +753,7 @@ class ActorCritic(nn.Module):
         init = orthogonal if self.orthogonal_init else lambda scale: nn.initializers.lecun_normal()
 
         def dense(width, scale, name):
-            return nn.Dense(width, kernel_init=init(scale), name=name)
+            return Dense(width, init(scale), self.grad_chunk, name=name)
 
         def trunk(x, name):
             for i, width in enumerate(self.hidden_sizes):
@@ -717,7 +770,7 @@ class ActorCritic(nn.Module):
             features = nn.relu(dense(16, math.sqrt(2.0), "conv")(patches))  # [B, H, W, 16]
             obs = features.reshape(*obs.shape[:-1], -1)  # [..., H * W * 16]
         if self.recurrent_size:
-            obs = hiddens = GRU(self.recurrent_size, init(1.0), name="gru")(obs, first, hidden)
+            obs = hiddens = GRU(self.recurrent_size, init(1.0), self.grad_chunk, name="gru")(obs, first, hidden)
         else:
             hiddens = jnp.zeros((*obs.shape[:-1], 0), jnp.float32)
         actor_features = trunk(obs, "trunk" if self.shared_trunk else "actor")
@@ -1039,7 +1092,8 @@ def over_slices(fn, batch, slices: int, mean: bool = False):
     computation is its own piece of the program (a Python loop: unrolled), cache-sized, and
     independent of the others, so XLA runs them side by side on the cores. One gradient step on
     16384 samples, 2-core Xeon: 9.4 ms whole, ~7.9 ms in 8 slices; the critic on 65536 samples:
-    10.5 ms whole, 5.2 ms in 8 slices. See README, Speed."""
+    10.5 ms whole, 5.2 ms in 8 slices. With kernel_grad's chunks, slices of 2048 samples ran best
+    (SLICE_SAMPLES): a 2048-sample minibatch is now faster whole. See README, Speed."""
     if slices == 1:
         return fn(batch)
     size = jax.tree.leaves(batch)[0].shape[0] // slices
@@ -1202,7 +1256,8 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
     cnn = config.torso == "cnn" or (config.torso == "auto" and image)
     return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation,
                        config.shared_trunk, image_shape=env.obs_shape if cnn else None,
-                       recurrent_size=config.recurrent_size if config.recurrent == "gru" else 0)
+                       recurrent_size=config.recurrent_size if config.recurrent == "gru" else 0,
+                       grad_chunk=grad_chunk_rows())
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
@@ -1495,8 +1550,9 @@ def to_host(tree):
 # (Eigen) dots instead of YNNPACK fusions (xla_options): measured faster on big minibatches there,
 # slower on small ones, and slower at every size on a CPU with AVX-512.
 EIGEN_DOTS_FROM_MINIBATCH = 4096
-SLICE_SAMPLES = 1024  # --slices auto: a minibatch slice's activations (64 wide: 256 KB) stay in a core's cache
+SLICE_SAMPLES = 2048  # --slices auto: a minibatch slice's activations (64 wide: 512 KB) stay in a core's cache
 MAX_SLICES = 8  # and at most this many (compile time grows with each; 8 or 16 slices of 16384 run alike)
+GRAD_CHUNK_ROWS = 128  # a Dense kernel's gradient as a sum over chunks of this many rows (kernel_grad)
 
 
 def slices_per_pass(config: Config) -> int:
@@ -1506,6 +1562,11 @@ def slices_per_pass(config: Config) -> int:
         return config.slices or 1
     most = max(1, min(MAX_SLICES, config.minibatch_size // SLICE_SAMPLES))
     return max([n for n in range(1, most + 1) if config.minibatch_size % n == 0])
+
+
+def grad_chunk_rows() -> int:
+    """The networks' Dense grad_chunk: GRAD_CHUNK_ROWS on CPU; 0 (XLA's one dot) on accelerators."""
+    return GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0
 
 
 @functools.cache

@@ -541,14 +541,52 @@ def test_slices_auto_follow_the_minibatch_size():
     cartpole = lambda **kw: dataclasses.replace(P.default_config("CartPole-v1"), **kw)  # noqa: E731
     if jax.default_backend() == "cpu":
         assert P.slices_per_pass(cartpole()) == 1  # 128 samples
-        assert P.slices_per_pass(cartpole(num_envs=64)) == 2  # 2048
-        assert P.slices_per_pass(cartpole(num_envs=96)) == 3  # 3072
+        assert P.slices_per_pass(cartpole(num_envs=64)) == 1  # 2048
+        assert P.slices_per_pass(cartpole(num_envs=128)) == 2  # 4096
+        assert P.slices_per_pass(cartpole(num_envs=192)) == 3  # 6144
+        assert P.slices_per_pass(cartpole(num_envs=320)) == 5  # 10240
         assert P.slices_per_pass(cartpole(num_envs=512)) == P.MAX_SLICES  # 16384
         assert P.slices_per_pass(cartpole(num_envs=512, recurrent="gru")) == 1
     else:
         assert P.slices_per_pass(cartpole(num_envs=512)) == 1
     assert P.slices_per_pass(cartpole(num_envs=512, slices=1)) == 1
     assert P.slices_per_pass(cartpole(slices=4)) == 4
+
+
+def test_dense_is_flax_dense_and_its_chunked_kernel_gradient_is_exact():
+    """Dense: flax's nn.Dense's params (bit for bit, same key) and outputs; its gradients (kernel,
+    bias, input) against float64 numpy, with the kernel's computed whole (grad_chunk 0) and in
+    chunks of 128 rows (a [2, 1024, 64] input: 2048 rows)."""
+    init = P.orthogonal(math.sqrt(2.0))
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 1024, 64))
+    weights = jax.random.normal(jax.random.PRNGKey(1), (2, 1024, 48))  # loss = sum(weights * y)
+    flax_dense = P.nn.Dense(48, kernel_init=init)
+    params = flax_dense.init(jax.random.PRNGKey(2), x)
+    for chunk in (0, 128):
+        dense = P.Dense(48, init, chunk)
+        chex.assert_trees_all_equal(dense.init(jax.random.PRNGKey(2), x), params)
+        np.testing.assert_array_equal(jax.jit(dense.apply)(params, x), jax.jit(flax_dense.apply)(params, x))
+        loss = lambda p, x: jnp.sum(weights * dense.apply(p, x))  # noqa: E731
+        grads, x_grad = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+        rows, w = np.asarray(x, np.float64).reshape(-1, 64), np.asarray(weights, np.float64).reshape(-1, 48)
+        kernel = np.asarray(params["params"]["kernel"], np.float64)
+        np.testing.assert_allclose(grads["params"]["kernel"], rows.T @ w, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(grads["params"]["bias"], w.sum(0), rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(x_grad, (w @ kernel.T).reshape(x.shape), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_gradient_chunks_only_small_kernels_over_long_minibatches():
+    """kernel_grad's rule: chunked (a batched dot, then a sum) for 64 x 64 and 64 x 1 kernels over
+    2048 rows; whole for a narrow input (4), a big kernel (1600 x 128), too few or indivisible
+    rows. make_network uses it on CPU only."""
+    def chunked(n, inputs, outputs):
+        jaxpr = jax.make_jaxpr(lambda x, g: P.kernel_grad(x, g, 128))(jnp.ones((n, inputs)), jnp.ones((n, outputs)))
+        return "reduce_sum" in str(jaxpr)
+
+    assert chunked(2048, 64, 64) and chunked(2048, 64, 1) and chunked(1024, 128, 128)
+    assert not any([chunked(2048, 4, 64), chunked(512, 1600, 128), chunked(512, 64, 64), chunked(2000, 64, 64)])
+    network = P.make_network(P.default_config("CartPole-v1"), P.make_env(P.default_config("CartPole-v1")))
+    assert network.grad_chunk == (P.GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0)
 
 
 def switch_test_config():
