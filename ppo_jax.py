@@ -640,23 +640,32 @@ def orthogonal(scale: float):
 def kernel_grad(x, g, chunk: int):
     """x^T g for x [n, D], g [n, F]: a dense layer's kernel gradient, a sum over the n rows.
 
-    Written for speed, on CPU: XLA's dot for x^T g, contracting over many rows into a small kernel,
-    ran at a fraction of the forward's FLOP/s here (one core, 2048 rows: 64 x 64 kernel 0.32 ms
-    against 0.17 for the forward's dot; the 64 x 1 value head 0.16 ms, as long as a 64 x 64 layer).
-    As one batched dot over chunks of `chunk` rows and a sum of the chunks' kernels: 0.25 and 0.03
-    ms. So with chunk > 0, kernels of at most 128 x 128 with at least 64 inputs, over at least 8
-    chunks, go that way; bigger kernels (MinAtar's 1600 x 128), narrow inputs (CartPole's 4, the
-    conv's 9C) and short minibatches measured no faster, or slower. See README, Speed."""
+    Written for speed, on CPU (chunk > 0; 0: XLA's one dot). XLA's dot for x^T g, contracting over
+    the rows into a small kernel, ran at a fraction of the forward's FLOP/s here (one core, 2048
+    rows: a 64 x 64 kernel 0.32 ms against 0.17 for the forward's dot; the 64 x 2 policy head
+    0.21 ms, as long as a 64 x 64 layer). For layers with at least 64 inputs:
+    - a narrow output (F <= D / 2: the heads) as g^T x, [F, D], then transposed: 0.21 -> 0.03 ms
+      for the policy head (128 rows: 7.1 -> 2.2 us). The optimization barriers keep XLA from
+      folding the transposes back into the dot's layout, which undoes the gain;
+    - a small square-ish kernel (at most 128 x 128) over at least 8 chunks of `chunk` rows as one
+      batched dot over the chunks and a sum of the chunks' kernels: 64 x 64, 0.32 -> 0.25 ms.
+    Narrow inputs (CartPole's 4, the conv's 9C) and the rest measured no faster, or slower, and
+    stay one dot. See README, Speed."""
     (n, inputs), outputs = x.shape, g.shape[1]
-    if chunk and n % chunk == 0 and n >= 8 * chunk and inputs >= 64 and inputs * outputs <= 128 * 128:
+    if not chunk or inputs < 64:
+        return x.T @ g
+    if n % chunk == 0 and n >= 8 * chunk and inputs * outputs <= 128 * 128:
         split = lambda a: a.reshape(n // chunk, chunk, a.shape[1])  # noqa: E731
         return jnp.einsum("cri,crj->cij", split(x), split(g)).sum(0)
+    if 2 * outputs <= inputs:
+        barrier = jax.lax.optimization_barrier
+        return barrier(barrier(g.T) @ x).T
     return x.T @ g
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def affine(x, kernel, bias, grad_chunk: int):
-    """x [..., D] @ kernel [D, F] + bias [F], its kernel gradient by kernel_grad (grad_chunk rows)."""
+    """x [..., D] @ kernel [D, F] + bias [F], its kernel gradient by kernel_grad (with grad_chunk)."""
     return x @ kernel + bias
 
 
@@ -675,7 +684,7 @@ affine.defvjp(_affine_forward, _affine_backward)
 
 class Dense(nn.Module):
     """flax's nn.Dense (same parameters, names and initialisation: kernel [D, F], zero bias) through
-    `affine`, for its chunked kernel gradient (grad_chunk rows; 0: the plain x^T g)."""
+    `affine`, for its kernel gradient by kernel_grad (grad_chunk: 0 = XLA's one dot)."""
 
     features: int
     kernel_init: Any
@@ -745,7 +754,7 @@ class ActorCritic(nn.Module):
     orthogonal_init: bool = True
     image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over the observation
     recurrent_size: int = 0  # > 0: a GRU of this many units after the torso
-    grad_chunk: int = 0  # each Dense layer's kernel gradient in chunks of this many rows (speed; 0: whole)
+    grad_chunk: int = 0  # each Dense layer's kernel_grad chunk (speed, CPU; 0: XLA's one dot)
 
     @nn.compact
     def __call__(self, obs, first=None, hidden=None):  # -> (hiddens, distribution over [...] actions, values [...])
@@ -1552,7 +1561,7 @@ def to_host(tree):
 EIGEN_DOTS_FROM_MINIBATCH = 4096
 SLICE_SAMPLES = 2048  # --slices auto: a minibatch slice's activations (64 wide: 512 KB) stay in a core's cache
 MAX_SLICES = 8  # and at most this many (compile time grows with each; 8 or 16 slices of 16384 run alike)
-GRAD_CHUNK_ROWS = 128  # a Dense kernel's gradient as a sum over chunks of this many rows (kernel_grad)
+GRAD_CHUNK_ROWS = 128  # a small Dense kernel's gradient as a sum over chunks of this many rows (kernel_grad)
 
 
 def slices_per_pass(config: Config) -> int:

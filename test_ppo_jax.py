@@ -553,38 +553,45 @@ def test_slices_auto_follow_the_minibatch_size():
     assert P.slices_per_pass(cartpole(slices=4)) == 4
 
 
-def test_dense_is_flax_dense_and_its_chunked_kernel_gradient_is_exact():
+@pytest.mark.parametrize("shape, features", [((2, 1024, 64), 48), ((2, 100, 64), 16)])  # chunked; g^T x
+def test_dense_is_flax_dense_and_its_kernel_gradient_is_exact(shape, features):
     """Dense: flax's nn.Dense's params (bit for bit, same key) and outputs; its gradients (kernel,
-    bias, input) against float64 numpy, with the kernel's computed whole (grad_chunk 0) and in
-    chunks of 128 rows (a [2, 1024, 64] input: 2048 rows)."""
+    bias, input) against float64 numpy, with the kernel's computed as one dot (grad_chunk 0) and
+    by kernel_grad's CPU paths (grad_chunk 128: 2048 rows in chunks; 200 rows, a narrow output, as
+    g^T x), also vmapped over two sets of params."""
     init = P.orthogonal(math.sqrt(2.0))
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 1024, 64))
-    weights = jax.random.normal(jax.random.PRNGKey(1), (2, 1024, 48))  # loss = sum(weights * y)
-    flax_dense = P.nn.Dense(48, kernel_init=init)
+    x = jax.random.normal(jax.random.PRNGKey(0), shape)
+    weights = jax.random.normal(jax.random.PRNGKey(1), (*shape[:-1], features))  # loss = sum(weights * y)
+    flax_dense = P.nn.Dense(features, kernel_init=init)
     params = flax_dense.init(jax.random.PRNGKey(2), x)
     for chunk in (0, 128):
-        dense = P.Dense(48, init, chunk)
+        dense = P.Dense(features, init, chunk)
         chex.assert_trees_all_equal(dense.init(jax.random.PRNGKey(2), x), params)
         np.testing.assert_array_equal(jax.jit(dense.apply)(params, x), jax.jit(flax_dense.apply)(params, x))
         loss = lambda p, x: jnp.sum(weights * dense.apply(p, x))  # noqa: E731
         grads, x_grad = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
-        rows, w = np.asarray(x, np.float64).reshape(-1, 64), np.asarray(weights, np.float64).reshape(-1, 48)
+        rows, w = np.asarray(x, np.float64).reshape(-1, shape[-1]), np.asarray(weights, np.float64).reshape(-1, features)
         kernel = np.asarray(params["params"]["kernel"], np.float64)
         np.testing.assert_allclose(grads["params"]["kernel"], rows.T @ w, rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(grads["params"]["bias"], w.sum(0), rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(x_grad, (w @ kernel.T).reshape(x.shape), rtol=1e-5, atol=1e-5)
+        both = jax.tree.map(lambda a: jnp.stack([a, 2.0 * a]), params)  # stacked agents
+        stacked = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)))(both, x)
+        chex.assert_trees_all_close(jax.tree.map(lambda a: a[0], stacked), grads, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_gradient_chunks_only_small_kernels_over_long_minibatches():
-    """kernel_grad's rule: chunked (a batched dot, then a sum) for 64 x 64 and 64 x 1 kernels over
-    2048 rows; whole for a narrow input (4), a big kernel (1600 x 128), too few or indivisible
-    rows. make_network uses it on CPU only."""
-    def chunked(n, inputs, outputs):
-        jaxpr = jax.make_jaxpr(lambda x, g: P.kernel_grad(x, g, 128))(jnp.ones((n, inputs)), jnp.ones((n, outputs)))
-        return "reduce_sum" in str(jaxpr)
+def test_kernel_gradient_paths_follow_the_layer_shape():
+    """kernel_grad's rule (CPU): chunked (a batched dot, then a sum) for small kernels with >= 64
+    inputs over >= 8 chunks of rows; g^T x transposed (between optimization barriers) for narrow
+    outputs otherwise; one dot for narrow inputs (4, the conv's 36) and the rest. make_network uses
+    it on CPU only."""
+    def path(n, inputs, outputs):
+        jaxpr = str(jax.make_jaxpr(lambda x, g: P.kernel_grad(x, g, 128))(jnp.ones((n, inputs)), jnp.ones((n, outputs))))
+        return "chunks" if "reduce_sum" in jaxpr else "transposed" if "optimization_barrier" in jaxpr else "dot"
 
-    assert chunked(2048, 64, 64) and chunked(2048, 64, 1) and chunked(1024, 128, 128)
-    assert not any([chunked(2048, 4, 64), chunked(512, 1600, 128), chunked(512, 64, 64), chunked(2000, 64, 64)])
+    assert {path(2048, 64, 64), path(2048, 64, 1), path(1024, 128, 128)} == {"chunks"}
+    assert {path(128, 64, 2), path(512, 128, 1), path(512, 1600, 128), path(2000, 64, 2)} == {"transposed"}
+    assert {path(2048, 4, 64), path(51200, 36, 16), path(512, 64, 64), path(2000, 64, 64)} == {"dot"}
     network = P.make_network(P.default_config("CartPole-v1"), P.make_env(P.default_config("CartPole-v1")))
     assert network.grad_chunk == (P.GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0)
 
