@@ -644,11 +644,12 @@ def kernel_grad(x, g, chunk: int):
     the rows into a small kernel, ran at a fraction of the forward's FLOP/s here (one core, 2048
     rows: a 64 x 64 kernel 0.32 ms against 0.17 for the forward's dot; the 64 x 2 policy head
     0.21 ms, as long as a 64 x 64 layer). For layers with at least 64 inputs:
-    - a narrow output (F <= D / 2: the heads) as g^T x, [F, D], then transposed: 0.21 -> 0.03 ms
-      for the policy head (128 rows: 7.1 -> 2.2 us). The optimization barriers keep XLA from
-      folding the transposes back into the dot's layout, which undoes the gain;
-    - a small square-ish kernel (at most 128 x 128) over at least 8 chunks of `chunk` rows as one
-      batched dot over the chunks and a sum of the chunks' kernels: 64 x 64, 0.32 -> 0.25 ms.
+    - a small kernel (at most 128 x 128) over at least 8 chunks of `chunk` rows: one batched dot
+      over the chunks, then a sum of the chunks' kernels. 2048 rows: 64 x 64 0.32 -> 0.25 ms,
+      the value head 0.16 -> 0.03, the policy head 0.21 -> 0.10;
+    - otherwise a narrow output (F <= D / 2: the heads, MinAtar's 1600 x 128) as g^T x, [F, D],
+      then transposed. 128 rows: the policy head 7.1 -> 2.2 us. The optimization barriers keep
+      XLA from folding the transposes back into the dot's layout, which undoes the gain.
     Narrow inputs (CartPole's 4, the conv's 9C) and the rest measured no faster, or slower, and
     stay one dot. See README, Speed."""
     (n, inputs), outputs = x.shape, g.shape[1]
@@ -707,7 +708,7 @@ class GRU(nn.Module):
 
     size: int
     kernel_init: Any
-    grad_chunk: int = 0  # Dense's
+    grad_chunk: int = 0  # its input projection's (Dense)
 
     @nn.compact
     def __call__(self, inputs, first, hidden):  # [T, B, D], [T, B] bool, [B, H] -> states after each step [T, B, H]
