@@ -685,7 +685,7 @@ affine.defvjp(_affine_forward, _affine_backward)
 
 class Dense(nn.Module):
     """flax's nn.Dense (same parameters, names and initialisation: kernel [D, F], zero bias) through
-    `affine`, for its kernel gradient by kernel_grad (grad_chunk: 0 = XLA's one dot)."""
+    `affine`, for its kernel gradient by kernel_grad; with grad_chunk 0, nn.Dense's matmul and gradient."""
 
     features: int
     kernel_init: Any
@@ -695,6 +695,8 @@ class Dense(nn.Module):
     def __call__(self, x):
         kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
         bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        if not self.grad_chunk:  # JAX's own gradient of the matmul, as nn.Dense's (accelerators)
+            return x @ kernel + bias
         return affine(x, kernel, bias, self.grad_chunk)
 
 

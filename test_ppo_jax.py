@@ -556,8 +556,8 @@ def test_slices_auto_follow_the_minibatch_size():
 @pytest.mark.parametrize("shape, features", [((2, 1024, 64), 48), ((2, 100, 64), 16)])  # chunked; g^T x
 def test_dense_is_flax_dense_and_its_kernel_gradient_is_exact(shape, features):
     """Dense: flax's nn.Dense's params (bit for bit, same key) and outputs; its gradients (kernel,
-    bias, input) against float64 numpy, with the kernel's computed as one dot (grad_chunk 0) and
-    by kernel_grad's CPU paths (grad_chunk 128: 2048 rows in chunks; 200 rows, a narrow output, as
+    bias, input) against float64 numpy, by JAX's own gradient (grad_chunk 0, as nn.Dense) and
+    through kernel_grad's CPU paths (grad_chunk 128: 2048 rows in chunks; 200 rows, a narrow output, as
     g^T x), also vmapped over two sets of params."""
     init = P.orthogonal(math.sqrt(2.0))
     x = jax.random.normal(jax.random.PRNGKey(0), shape)
