@@ -640,7 +640,7 @@ def orthogonal(scale: float):
 def kernel_grad(x, g, chunk: int):
     """x^T g for x [n, D], g [n, F]: a dense layer's kernel gradient, a sum over the n rows.
 
-    Written for speed, on CPU (chunk > 0; 0: XLA's one dot). XLA's dot for x^T g, contracting over
+    Written for speed, on CPU (Dense calls it with chunk > 0). XLA's dot for x^T g, contracting over
     the rows into a small kernel, ran at a fraction of the forward's FLOP/s here (one core, 2048
     rows: a 64 x 64 kernel 0.32 ms against 0.17 for the forward's dot; the 64 x 2 policy head
     0.21 ms, as long as a 64 x 64 layer). For layers with at least 64 inputs:
@@ -653,7 +653,7 @@ def kernel_grad(x, g, chunk: int):
     Narrow inputs (CartPole's 4, the conv's 9C) and the rest measured no faster, or slower, and
     stay one dot. See README, Speed."""
     (n, inputs), outputs = x.shape, g.shape[1]
-    if not chunk or inputs < 64:
+    if inputs < 64:
         return x.T @ g
     if n % chunk == 0 and n >= 8 * chunk and inputs * outputs <= 128 * 128:
         split = lambda a: a.reshape(n // chunk, chunk, a.shape[1])  # noqa: E731
@@ -757,7 +757,7 @@ class ActorCritic(nn.Module):
     orthogonal_init: bool = True
     image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over the observation
     recurrent_size: int = 0  # > 0: a GRU of this many units after the torso
-    grad_chunk: int = 0  # each Dense layer's kernel_grad chunk (speed, CPU; 0: XLA's one dot)
+    grad_chunk: int = 0  # each Dense layer's kernel_grad chunk (speed, CPU; 0: JAX's own gradient)
 
     @nn.compact
     def __call__(self, obs, first=None, hidden=None):  # -> (hiddens, distribution over [...] actions, values [...])
@@ -1577,7 +1577,7 @@ def slices_per_pass(config: Config) -> int:
 
 
 def grad_chunk_rows() -> int:
-    """The networks' Dense grad_chunk: GRAD_CHUNK_ROWS on CPU; 0 (XLA's one dot) on accelerators."""
+    """The networks' Dense grad_chunk: GRAD_CHUNK_ROWS on CPU; 0 (JAX's own gradient) on accelerators."""
     return GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0
 
 
