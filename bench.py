@@ -69,13 +69,17 @@ def timed(fn, *args, repeats=3, warm_up=True):
     return float(np.median(times))
 
 
-def references(env_id: str, num_envs: int, steps: int, repeats: int):
+def references(env_id: str, num_envs: int, steps: int, repeats: int, devices: int = 1):
     """Env steps/s of (the env alone, env + actor-critic forward + sampling) with gymnax's own
-    auto-resetting step, random keys split per step, as a plain scan would do it."""
+    auto-resetting step, random keys split per step, as a plain scan would do it. With devices > 1
+    the envs are split evenly over that many devices, each running its share side by side, as
+    run_batch shards a batch of agents (so the reference uses the machine as the PPO run does)."""
     import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import ppo_jax as P
 
+    num_envs //= devices
     env = P.VecEnv(env_id, num_envs)
     network = P.ActorCritic(env.action_dim, env.discrete)
     num_steps = max(1, steps // num_envs)
@@ -104,10 +108,14 @@ def references(env_id: str, num_envs: int, steps: int, repeats: int):
             _, rewards = jax.lax.scan(step, (obs, state, key), None, length=num_steps)
             return rewards.sum()
 
-        return jax.jit(rollout).lower(jax.random.PRNGKey(0)).compile()
+        if devices == 1:
+            return jax.jit(rollout).lower(jax.random.PRNGKey(0)).compile()
+        sharding = NamedSharding(Mesh(np.asarray(jax.devices()[:devices]), ("envs",)), PartitionSpec("envs"))
+        return jax.jit(jax.vmap(rollout), in_shardings=sharding).lower(keys).compile()
 
-    env_only = num_steps * num_envs / timed(make(False), jax.random.PRNGKey(1), repeats=repeats)
-    env_forward = num_steps * num_envs / timed(make(True), jax.random.PRNGKey(1), repeats=repeats)
+    keys = jax.random.split(jax.random.PRNGKey(1), devices) if devices > 1 else jax.random.PRNGKey(1)
+    env_only = devices * num_steps * num_envs / timed(make(False), keys, repeats=repeats)
+    env_forward = devices * num_steps * num_envs / timed(make(True), keys, repeats=repeats)
     return env_only, env_forward
 
 
@@ -253,6 +261,7 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None, with
         "env": config.env,
         "agents": agents,
         "envs": config.num_envs,
+        "devices": result.num_devices,
         "steps_per_agent": config.num_updates * config.batch_size,
         "lower_s": round(result.lower_seconds, 2),
         "compile_s": round(result.compile_seconds, 2),
@@ -261,7 +270,7 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None, with
     run_seconds = result.run_seconds
     steps_per_s = row["steps_per_agent"] * agents / run_seconds
     env_only, env_forward = references(config.env, config.num_envs * agents, min(row["steps_per_agent"] * agents, 1 << 21),
-                                       repeats)
+                                       repeats, result.num_devices)
     env = P.make_env(config)
     flops = network_flops_per_step(config, env) * steps_per_s
     peak = matmul_peak(repeats)
@@ -292,7 +301,7 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None, with
     return row
 
 
-COLUMNS = ("config", "agents", "envs", "lower_s", "compile_s", "run_s", "env_steps_per_s", "env_only_steps_per_s",
+COLUMNS = ("config", "agents", "envs", "devices", "lower_s", "compile_s", "run_s", "env_steps_per_s", "env_only_steps_per_s",
            "env_forward_steps_per_s", "ppo_over_env_forward", "plain_steps_per_s", "ppo_over_plain", "achieved_gflops",
            "peak_gflops", "achieved_over_peak", "peak_rss_mb", "final_return", "plain_final_return")
 
@@ -306,6 +315,8 @@ def print_table(rows):
 
 def machine():
     import jax
+
+    import ppo_jax  # noqa: F401  (it sets the CPU device count: one per core)
 
     return {
         "platform": platform.platform(),

@@ -58,6 +58,28 @@ import jax
 # the CPU backend starts, and importing gymnax starts it: hence here, above the other imports.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on (Linux)
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# One JAX CPU device per core (unless the user chose a count: JAX_NUM_CPU_DEVICES, or XLA's
+# xla_force_host_platform_device_count), so that a batch of agents (seeds, sweep points) is sharded
+# over the cores like over GPUs: each device runs its share of the agents as its own program, side by
+# side. Speed, 2-core Xeon: 8 stacked CartPole agents 211k -> 443-453k env steps/s, 64 agents 206k ->
+# 372k. One agent runs on one device, as before (XLA still spreads its kernels over every core). Like
+# the async-dispatch switch above, it must be set before the CPU backend starts (imported after JAX
+# has run something, ppo_jax keeps the devices there are).
+if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
+        "XLA_FLAGS", ""):
+    try:
+        jax.config.update("jax_num_cpu_devices", usable_cores())
+    except RuntimeError:  # the backends are already up
+        pass
+
 import flax  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import flax.traverse_util  # noqa: E402
@@ -1617,9 +1639,10 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     """Train a batch of agents of one static config: keys [B, 2] and HParams leaves [B] are vmapped
     together. Two jitted programs: init, and a chunk of chunk_length(config) updates, which the run
     calls until every update is done, its state donated. The batch axis is sharded over every
-    device (a 1-D mesh, padded to a multiple of the device count by repeating the last agent; the
-    padding is dropped after). With chunk_size, the agents run in groups of that many through the
-    same compiled programs (each chunk of updates, group after group).
+    device, at most one per agent (a 1-D mesh, padded to a multiple of the device count by repeating
+    the last agent; the padding is dropped after; on CPU, a device per core). With chunk_size, the
+    agents run in groups of that many through the same compiled programs (each chunk of updates,
+    group after group).
 
     on_chunk(updates_done, metrics, state) is called once when the programs are compiled and
     after every chunk: metrics so far [B, updates_done] with env_steps, and state() fetches the
@@ -1628,8 +1651,11 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     more as a warm-up and then timed_runs times, and run_seconds is the median of the timed runs."""
     keys = np.asarray(keys)
     size = keys.shape[0]
-    num_devices = jax.device_count()
     group = min(chunk_size or size, size)
+    # No more devices than agents in a group (padding them would only repeat work), except across hosts,
+    # where every host's devices must take part.
+    devices = jax.devices() if jax.process_count() > 1 else jax.devices()[:group]
+    num_devices = len(devices)
     group = -(-group // num_devices) * num_devices  # round up to a multiple of the device count
     num_groups = -(-size // group)
     pad = lambda x: np.concatenate([x, np.repeat(x[-1:], num_groups * group - size, axis=0)])  # noqa: E731
@@ -1661,7 +1687,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
         advance_batch = jax.jit(advance_batch, donate_argnums=0)
         put = lambda x, batched: jax.device_put(x)  # noqa: E731
     else:
-        mesh = Mesh(np.asarray(jax.devices()), ("batch",))
+        mesh = Mesh(np.asarray(devices), ("batch",))
         sharding, replicated = NamedSharding(mesh, PartitionSpec("batch")), NamedSharding(mesh, PartitionSpec())
         hparams_sharding = jax.tree.map(lambda v: sharding if v else replicated, varies)
         init_batch = jax.jit(init_batch, in_shardings=(sharding, hparams_sharding), out_shardings=sharding)
@@ -2769,7 +2795,8 @@ def main(argv: Sequence[str] | None = None):
         run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}") if writer else None
         agents = len(sweep.points) * sum(c.num_seeds for c in sweep.configs)
         print(f"ppo_jax sweep {sweep.name!r}: {len(sweep.configs)} static setting(s) x {len(sweep.points)} point(s) "
-              f"x seeds = {agents} agents, sharded over {jax.device_count()} {jax.devices()[0].platform} device(s)")
+              f"x seeds = {agents} agents, sharded over {min(jax.device_count(), config.sweep_chunk or agents)} "
+              f"{jax.devices()[0].platform} device(s)")
         if writer:
             with open(os.path.join(run_dir, "sweep.toml"), "w") as f:
                 f.write(resolved_sweep_toml(sweep, config.sweep or "--sweep-set"))

@@ -1356,8 +1356,33 @@ keys = np.tile(np.asarray(P.seed_keys(config)), (len(sweep.points), 1))
 hparams = P.stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
 result = P.run_batch(config, keys, hparams)
 assert result.num_devices == 8
+# No more devices than agents: 3 agents on 3 of the 8 devices (no padding), one agent on one (plain jit).
+three = P.run_batch(config, keys[:3], jax.tree.map(lambda x: x[:3], hparams))
+one = P.run_batch(config, keys[:1], jax.tree.map(lambda x: x[:1], hparams))
+assert (three.num_devices, one.num_devices) == (3, 1), (three.num_devices, one.num_devices)
+for name, value in result.metrics.items():
+    np.testing.assert_allclose(three.metrics[name], value[:3], rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(one.metrics[name], value[:1], rtol=1e-5, atol=1e-6, err_msg=name)
 np.savez(sys.argv[1], **result.metrics)
 """
+
+
+def test_one_cpu_device_per_core():
+    """ppo_jax gives JAX one CPU device per usable core (unless JAX_NUM_CPU_DEVICES or XLA_FLAGS chose a
+    count), so that run_batch shards a batch of agents over the cores."""
+    chosen = "JAX_NUM_CPU_DEVICES" in os.environ or "xla_force_host_platform_device_count" in os.environ.get(
+        "XLA_FLAGS", "")
+    if jax.default_backend() == "cpu" and not chosen:
+        assert jax.device_count() == P.usable_cores() == len(os.sched_getaffinity(0))
+    config = tiny_config(num_seeds=2)
+    result = P.run(config)
+    assert result.num_devices == min(2, jax.device_count())
+    # Imported after JAX has run something (the device count is fixed then): it keeps those devices.
+    late = ("import jax; jax.numpy.ones(1).block_until_ready(); n = jax.device_count(); import ppo_jax; "
+            "print(n == jax.device_count())")
+    done = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0 and done.stdout.split()[-1] == "True", done.stderr[-2000:]
 
 
 def test_sweep_sharded_over_eight_devices_equals_one_device(tmp_path):
