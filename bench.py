@@ -83,6 +83,7 @@ def references(env_id: str, num_envs: int, steps: int, repeats: int, devices: in
     env = P.VecEnv(env_id, num_envs)
     network = P.ActorCritic(env.action_dim, env.discrete)
     num_steps = max(1, steps // num_envs)
+    keys = jax.random.split(jax.random.PRNGKey(1), devices) if devices > 1 else jax.random.PRNGKey(1)
 
     def make(with_network: bool):
         def rollout(key):
@@ -113,7 +114,6 @@ def references(env_id: str, num_envs: int, steps: int, repeats: int, devices: in
         sharding = NamedSharding(Mesh(np.asarray(jax.devices()[:devices]), ("envs",)), PartitionSpec("envs"))
         return jax.jit(jax.vmap(rollout), in_shardings=sharding).lower(keys).compile()
 
-    keys = jax.random.split(jax.random.PRNGKey(1), devices) if devices > 1 else jax.random.PRNGKey(1)
     env_only = devices * num_steps * num_envs / timed(make(False), keys, repeats=repeats)
     env_forward = devices * num_steps * num_envs / timed(make(True), keys, repeats=repeats)
     return env_only, env_forward

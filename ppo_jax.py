@@ -1634,15 +1634,21 @@ def xla_options(config: Config | None = None) -> dict[str, Any] | None:
     return options
 
 
+def batch_devices(agents: int) -> list:
+    """The devices a group of `agents` is sharded over: at most one per agent (padding more would only
+    repeat work), except across hosts, where every host's devices must take part."""
+    return jax.devices() if jax.process_count() > 1 else jax.devices()[:agents]
+
+
 def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_chunk=None, timed_runs: int = 0,
               start: Checkpoint | None = None) -> RunResult:
     """Train a batch of agents of one static config: keys [B, 2] and HParams leaves [B] are vmapped
     together. Two jitted programs: init, and a chunk of chunk_length(config) updates, which the run
-    calls until every update is done (its state donated, on accelerators). The batch axis is sharded over every
-    device, at most one per agent (a 1-D mesh, padded to a multiple of the device count by repeating
-    the last agent; the padding is dropped after; on CPU, a device per core). With chunk_size, the
-    agents run in groups of that many through the same compiled programs (each chunk of updates,
-    group after group).
+    calls until every update is done (its state donated, on accelerators). The batch axis is sharded
+    over batch_devices (a 1-D mesh, padded to a multiple of the device count by repeating the last
+    agent; the padding is dropped after; on CPU, a device per core). With chunk_size, the agents run
+    in groups of that many through the same compiled programs (each chunk of updates, group after
+    group).
 
     on_chunk(updates_done, metrics, state) is called once when the programs are compiled and
     after every chunk: metrics so far [B, updates_done] with env_steps, and state() fetches the
@@ -1652,9 +1658,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     keys = np.asarray(keys)
     size = keys.shape[0]
     group = min(chunk_size or size, size)
-    # No more devices than agents in a group (padding them would only repeat work), except across hosts,
-    # where every host's devices must take part.
-    devices = jax.devices() if jax.process_count() > 1 else jax.devices()[:group]
+    devices = batch_devices(group)
     num_devices = len(devices)
     group = -(-group // num_devices) * num_devices  # round up to a multiple of the device count
     num_groups = -(-size // group)
@@ -2798,8 +2802,9 @@ def main(argv: Sequence[str] | None = None):
     if config.sweep or config.sweep_set:
         run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}") if writer else None
         agents = len(sweep.points) * sum(c.num_seeds for c in sweep.configs)
+        group = max(len(sweep.points) * c.num_seeds for c in sweep.configs)  # run_batch's, per static setting
         print(f"ppo_jax sweep {sweep.name!r}: {len(sweep.configs)} static setting(s) x {len(sweep.points)} point(s) "
-              f"x seeds = {agents} agents, sharded over {min(jax.device_count(), config.sweep_chunk or agents)} "
+              f"x seeds = {agents} agents, sharded over {len(batch_devices(min(config.sweep_chunk or group, group)))} "
               f"{jax.devices()[0].platform} device(s)")
         if writer:
             with open(os.path.join(run_dir, "sweep.toml"), "w") as f:
