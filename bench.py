@@ -14,7 +14,11 @@ its own fresh process, so its compile is cold and its peak RSS its own. For each
   seconds and env steps/s (median of >= 3 runs of the compiled program after a warm-up run);
 - two references measured in the same process, on the same env and number of envs: the env alone
   (random actions, vmapped, scanned) and env + actor-critic forward + sampling. PPO / (env+fwd) is
-  the headline: how close the whole algorithm gets to just acting;
+  the headline: how close the whole algorithm gets to just acting. They run on the same devices as
+  the PPO run (the envs split evenly over them); where that is more than one, also on one device
+  (env_forward_one_device), as the issue's public figures were measured;
+- where one agent's envs were sharded over several devices (--env-devices auto), the same run
+  with --env-devices 1 (unsharded_steps_per_s), for what the sharding gains;
 - for the discrete (CartPole) configs, a yardstick in the same process: plain_ppo, the same PPO on
   the same work written the straightforward way of single-file JAX PPOs (ppo_over_plain: how much
   ppo_jax's speed work buys, independent of the machine's drift), and its final return;
@@ -271,6 +275,14 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None, with
     steps_per_s = row["steps_per_agent"] * agents / run_seconds
     env_only, env_forward = references(config.env, config.num_envs * agents, min(row["steps_per_agent"] * agents, 1 << 21),
                                        repeats, result.num_devices)
+    if result.num_devices > 1:  # the references on one device too (as the public figures were measured)
+        _, one_device = references(config.env, config.num_envs * agents, min(row["steps_per_agent"] * agents, 1 << 21),
+                                   repeats, 1)
+        row["env_forward_one_device"] = round(one_device)
+        row["ppo_over_env_forward_one_device"] = round(steps_per_s / one_device, 3)
+    if result.num_devices > agents:  # the agent's envs were sharded: the same run unsharded, for the gain
+        unsharded = P.run_batch(dataclasses.replace(config, env_devices=1), keys, hparams, timed_runs=repeats)
+        row["unsharded_steps_per_s"] = round(row["steps_per_agent"] * agents / unsharded.run_seconds)
     env = P.make_env(config)
     flops = network_flops_per_step(config, env) * steps_per_s
     peak = matmul_peak(repeats)
@@ -301,8 +313,9 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None, with
     return row
 
 
-COLUMNS = ("config", "agents", "envs", "devices", "lower_s", "compile_s", "run_s", "env_steps_per_s", "env_only_steps_per_s",
-           "env_forward_steps_per_s", "ppo_over_env_forward", "plain_steps_per_s", "ppo_over_plain", "achieved_gflops",
+COLUMNS = ("config", "agents", "envs", "devices", "lower_s", "compile_s", "run_s", "env_steps_per_s", "unsharded_steps_per_s",
+           "env_only_steps_per_s", "env_forward_steps_per_s", "ppo_over_env_forward", "env_forward_one_device",
+           "ppo_over_env_forward_one_device", "plain_steps_per_s", "ppo_over_plain", "achieved_gflops",
            "peak_gflops", "achieved_over_peak", "peak_rss_mb", "final_return", "plain_final_return")
 
 

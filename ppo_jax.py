@@ -236,6 +236,13 @@ class Config:
     sweep_chunk: int = 0
     """Run at most this many agents (points x seeds) at a time, for batches that do not fit in
     memory (0: all at once). Each chunk reuses the one compiled program."""
+    env_devices: int = 0
+    """Shard each agent's envs over up to this many devices, when a batch has fewer agents than
+    devices: data parallel, each device steps its share of the envs and computes the gradient of its
+    share of every minibatch, and the gradients are averaged across them (results equal the
+    unsharded run's up to float rounding). 0: auto, as many devices as divide the envs and the
+    minibatches while each keeps at least SHARD_SAMPLES samples of a minibatch (on CPU every core is
+    a device: see README, Speed); 1: never."""
     distributed: bool = False
     """Call jax.distributed.initialize() first: run the same command on every host of a multi-host
     slice; the batch is sharded over all their devices and host 0 writes the outputs."""
@@ -459,6 +466,9 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
         raise ConfigError(f"--env {env_id!r} is not a gymnax environment: {hint}")
 
 
+ENV_AXIS = "envs"  # the mesh axis over which run_batch shards an agent's envs (--env-devices)
+
+
 class VecEnv:
     """A gymnax env vmapped over `num_envs`, with thin, pure additions: observations flattened to
     float32 vectors; continuous actions clipped to the action space's bounds (the policy's log-prob
@@ -473,12 +483,18 @@ class VecEnv:
     An env that overrides gymnax's `step` (bsuite's DeepSea keeps metrics across resets) is stepped
     through its own `step` instead. A Brax env's reset builds a physics state, too costly to draw for
     every step: `resets` are then reset keys, and the envs are reset on the steps where one ended.
+
+    With shards > 1, the VecEnv is one device's share of an agent's envs, inside a shard_map over
+    ENV_AXIS (run_batch, --env-devices): it steps num_envs of the agent's num_envs x shards envs,
+    and its draws are those of the whole set, of which it keeps its own part (`own`), so each env
+    gets the same randomness as in an unsharded run.
     """
 
-    def __init__(self, env_id: str, num_envs: int, env_params: Sequence[str] = ()):
+    def __init__(self, env_id: str, num_envs: int, env_params: Sequence[str] = (), shards: int = 1):
         self.env, self.env_params = make_gymnax(env_id, env_params)
         self.lazy_resets = isinstance(self.env, BraxEnv)
-        self.num_envs = num_envs
+        self.num_envs = num_envs  # the envs stepped here
+        self.shards = shards
         action_space = self.env.action_space(self.env_params)
         self.discrete = isinstance(action_space, spaces.Discrete)
         if self.discrete:
@@ -503,8 +519,14 @@ class VecEnv:
         obs, env_state = reset(keys)
         return self._flat(obs), env_state
 
+    def own(self, x, axis: int = 1):
+        """This device's part of x, whose `axis` runs over all num_envs x shards envs (x itself unsharded)."""
+        if self.shards == 1:
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(ENV_AXIS) * self.num_envs, self.num_envs, axis)
+
     def reset(self, key) -> tuple[jax.Array, EnvState]:
-        obs, env_state = self._reset(jax.random.split(key, self.num_envs))
+        obs, env_state = self._reset(self.own(jax.random.split(key, self.num_envs * self.shards), axis=0))
         zeros = jnp.zeros(self.num_envs, jnp.float32)
         return obs, EnvState(env_state, zeros, jnp.zeros(self.num_envs, jnp.int32))
 
@@ -516,7 +538,7 @@ class VecEnv:
         """Fresh starts for every env at each of num_steps steps, in one vectorised call:
         (flat obs [num_steps, N, obs_dim], gymnax states [num_steps, N]); with lazy resets (Brax),
         only their keys [num_steps, N]."""
-        keys = jax.random.split(key, (num_steps, self.num_envs))
+        keys = self.own(jax.random.split(key, (num_steps, self.num_envs * self.shards)))
         return keys if self.lazy_resets else self._reset(keys)
 
     def step(self, keys, state: EnvState, action, resets):
@@ -1012,6 +1034,28 @@ def adam_step(grads, grad_norm, opt_state, hparams: HParams, stopped):
     return direction, (clip_state, adam._replace(count=jnp.where(stopped, adam.count, count), mu=mu, nu=nu))
 
 
+# An agent's envs sharded over `shards` devices (run_batch, --env-devices): each device runs the
+# same program on its own envs inside a shard_map over ENV_AXIS, and these two combine the devices'
+# parts. Unsharded (shards 1) both are the identity.
+
+
+def gather_envs(tree, shards: int, axis: int = 1):
+    """Every device's part of `tree` along `axis` (its env axis), in env order: the whole agent's."""
+    if shards == 1:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, ENV_AXIS, axis=axis, tiled=True), tree)
+
+
+def over_shards(collective, tree, shards: int):
+    """`collective` (jax.lax.pmean or psum) of a pytree of float32 values over the devices.
+    Speed: the tree is raveled into one vector, so that a gradient step waits on one all-reduce, not
+    one per leaf (512 envs on 2 CPU devices, per update: 164 ms with three, 149 ms with one)."""
+    if shards == 1:
+        return tree
+    flat, unravel = ravel_pytree(tree)
+    return unravel(collective(flat, ENV_AXIS))
+
+
 def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams):
     """A lax.scan over num_steps of (policy forward, sample, vmapped env step), then the reward
     processing of the whole rollout at once -> (state, [T, N] Transition).
@@ -1022,11 +1066,15 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
     leash's reference policy run once on all T x N steps. So the observation statistics are frozen
     during a rollout: the policy acts on observations normalised with the statistics of the
     rollout's start (as Brax's PPO does), and the first rollout sees raw observations.
+
+    With sharded envs (VecEnv.shards > 1) it runs on each device's envs, with the randomness of
+    an unsharded run, and the statistics are updated from every device's rollout.
     """
     key, noise_key, step_key, reset_key = jax.random.split(state.key, 4)
     distribution = Categorical if env.discrete else DiagGaussian
-    noise = distribution.noise(noise_key, (num_steps, env.num_envs, env.action_dim))
-    step_keys = jax.random.split(step_key, (num_steps, env.num_envs))
+    all_envs = env.num_envs * env.shards
+    noise = env.own(distribution.noise(noise_key, (num_steps, all_envs, env.action_dim)))
+    step_keys = env.own(jax.random.split(step_key, (num_steps, all_envs)))
     resets = env.draw_resets(reset_key, num_steps)
 
     def step(carry, inputs):
@@ -1066,7 +1114,7 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
 
     # Reward processing, in order: scale by the running std of the discounted return, clip,
     # then the KL leash (in units of log-probability, so after the scaling).
-    reward_stats = state.reward_stats.update(traj.discounted_return.reshape(-1))
+    reward_stats = state.reward_stats.update(gather_envs(traj.discounted_return, env.shards).reshape(-1))
     scaled = jnp.where(hparams.scale_reward, traj.reward / jnp.sqrt(reward_stats.var + 1e-8), traj.reward)
     reward = jnp.clip(scaled, -hparams.clip_reward, hparams.clip_reward)
 
@@ -1084,7 +1132,7 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
         final_obs=observe(state.obs_stats, traj.final_obs, hparams),
         ref_kl=ref_kl,
     )
-    obs_stats = state.obs_stats.update(raw_obs.reshape(-1, env.obs_dim))
+    obs_stats = state.obs_stats.update(gather_envs(raw_obs, env.shards).reshape(-1, env.obs_dim))
     state = state.replace(env_state=env_state, obs=next_obs, hidden=hidden, obs_stats=obs_stats,
                           reward_stats=reward_stats, discounted_return=running_return, ref_hidden=ref_hidden, key=key)
     return state, traj
@@ -1098,7 +1146,7 @@ def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_co
     log_probs = dist.log_prob(batch.action)
     log_ratio = log_probs - batch.log_prob
     ratio = jnp.exp(log_ratio)
-    advantages = batch.advantages  # normalised by minibatch_step (over the whole minibatch)
+    advantages = batch.advantages  # normalised by epoch_step (over the whole minibatch)
     policy_loss = -jnp.mean(clipped_surrogate(ratio, advantages, hparams.clip_eps))
     kl = jnp.mean(batch.dist.kl(dist))  # exact KL[pi_old || pi]
     v_loss = value_loss(values, batch.value, batch.targets, hparams.clip_eps, hparams.clip_vloss)
@@ -1138,17 +1186,16 @@ def over_slices(fn, batch, slices: int, mean: bool = False):
     return jax.tree.map(lambda *values: jnp.concatenate(values), *parts)
 
 
-def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_coef, slices: int):
+def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_coef, slices: int, shards: int = 1):
     """One gradient step on the flat parameter vector (`unravel` gives the network's params), unless
     --target-kl has stopped this update (a mask, not a branch, so the whole update stays one program).
-    The advantages are normalised over the whole minibatch, then its gradient is computed in
-    `slices` slices (--slices)."""
+    Its gradient is computed in `slices` slices (--slices). With sharded envs, `minibatch` is this
+    device's part of it, and the gradient and diagnostics are averaged over the devices (the parts
+    are equal), so that every device takes the same step."""
     flat_params, opt_state, stopped = carry
-    advantages = minibatch.advantages
-    normalised = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    minibatch = minibatch.replace(advantages=jnp.where(hparams.norm_adv, normalised, advantages))
     grad = jax.grad(lambda flat, part: ppo_loss(unravel(flat), network, part, hparams, kl_coef), has_aux=True)
     grads, diagnostics = over_slices(lambda part: grad(flat_params, part), minibatch, slices, mean=True)
+    grads, diagnostics = over_shards(jax.lax.pmean, (grads, diagnostics), shards)
     stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
     diagnostics["grad_norm"] = jnp.sqrt(jnp.sum(grads**2))  # before clipping; non-finite: see the NaN guard
     direction, opt_state = adam_step(grads, diagnostics["grad_norm"], opt_state, hparams, stopped)
@@ -1197,15 +1244,29 @@ def shuffle_sequences_into_minibatches(permutation, batch: Batch, num_minibatche
     return time_major.replace(hidden=split(batch.hidden, 0))
 
 
-def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn):
-    """One pass over the batch: a lax.scan of gradient steps over shuffled minibatches."""
+def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn, norm_adv, shards: int = 1):
+    """One pass over the batch: a lax.scan of gradient steps over shuffled minibatches, their
+    advantages normalised over each whole minibatch when norm_adv (--norm-adv). With sharded envs,
+    `batch` is the whole agent's, and this device steps on its 1/shards part of each minibatch."""
     shuffle = shuffle_into_minibatches if batch.hidden is None else shuffle_sequences_into_minibatches
-    return jax.lax.scan(step_fn, carry, shuffle(permutation, batch, num_minibatches))
+    if shards == 1:
+        minibatches = shuffle(permutation, batch, num_minibatches)
+        whole = minibatches.advantages
+    else:
+        own = permutation.reshape(num_minibatches, shards, -1)[:, jax.lax.axis_index(ENV_AXIS)].reshape(-1)
+        minibatches = shuffle(own, batch, num_minibatches)
+        whole = shuffle(permutation, batch, num_minibatches).advantages  # (XLA drops the other fields' gathers)
+    axes = tuple(range(1, whole.ndim))  # [M, ...]: the statistics of each minibatch
+    mean, std = whole.mean(axes, keepdims=True), whole.std(axes, keepdims=True)
+    advantages = minibatches.advantages
+    minibatches = minibatches.replace(advantages=jnp.where(norm_adv, (advantages - mean) / (std + 1e-8), advantages))
+    return jax.lax.scan(step_fn, carry, minibatches)
 
 
-def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: bool) -> Batch:
+def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: bool, shards: int = 1) -> Batch:
     """What the update needs. Feedforward: flattened from [T, N, ...] to [B, ...] (B = T * N).
-    Recurrent: kept time-major, with the reset flags and the state the rollout started from [N, H]."""
+    Recurrent: kept time-major, with the reset flags and the state the rollout started from [N, H].
+    With sharded envs, gathered from every device's envs: the whole agent's batch."""
     batch = Batch(
         obs=traj.obs,
         first=traj.first if recurrent else None,
@@ -1217,6 +1278,9 @@ def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: b
         advantages=advantages,
         targets=targets,
     )
+    if shards > 1:
+        hidden = gather_envs(batch.hidden, shards, axis=0)  # [N, H]: the env axis comes first
+        batch = gather_envs(batch.replace(hidden=None), shards).replace(hidden=hidden)
     return batch if recurrent else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
 
 
@@ -1228,20 +1292,21 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     # The critic's value of the true next state of every step, in one batched pass of one step
     # each (continuing from the state after that step). Where no episode ended, final_obs is
     # simply the next observation.
-    steps, slices = config.num_steps * config.num_envs, slices_per_pass(config)
+    steps, slices = config.num_steps * env.num_envs, slices_per_pass(config, env.shards)  # this device's envs
 
     def next_value(part):  # (final observations, hidden states) of some steps -> their values
         obs, hidden = part
         return policy_step(network, state.params, obs, jnp.zeros(len(obs), bool), hidden)[2]
 
     final = (traj.final_obs.reshape(steps, -1), traj.hidden.reshape(steps, -1))
-    next_values = over_slices(next_value, final, slices).reshape(config.num_steps, config.num_envs)
+    next_values = over_slices(next_value, final, slices).reshape(config.num_steps, env.num_envs)
     terminated = jnp.where(hparams.bootstrap_truncation, traj.terminated, traj.done)
     advantages, targets = compute_gae(
         traj.reward, traj.value, next_values, terminated, traj.done, hparams.gamma, hparams.gae_lambda
     )
     recurrent = network.recurrent_size > 0
-    batch = make_batch(traj, advantages, targets, start_hidden, recurrent)
+    batch = make_batch(traj, advantages, targets, start_hidden, recurrent, env.shards)  # the whole agent's
+    own = make_batch(traj, advantages, targets, start_hidden, recurrent)  # this device's envs (unsharded: batch)
 
     # Speed: every epoch's shuffle drawn in one vectorised call, and the gradient steps on one flat
     # parameter vector, so that clipping and Adam are a few fused ops instead of a few per leaf.
@@ -1251,29 +1316,34 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     flat_params, unravel = ravel_pytree(state.params)
     lr = learning_rate(hparams, state.update, config.num_updates)
     step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, hparams=hparams, lr=lr,
-                                kl_coef=state.kl_coef, slices=slices)
-    epoch = functools.partial(epoch_step, batch=batch, num_minibatches=config.num_minibatches, step_fn=step_fn)
+                                kl_coef=state.kl_coef, slices=slices, shards=env.shards)
+    epoch = functools.partial(epoch_step, batch=batch, num_minibatches=config.num_minibatches, step_fn=step_fn,
+                              norm_adv=hparams.norm_adv, shards=env.shards)
     (flat_params, opt_state, _), diagnostics = jax.lax.scan(
         epoch, (flat_params, state.opt_state, jnp.array(False)), permutations)
     params = unravel(flat_params)
 
     # PPO-Penalty: d = the exact mean KL between the old and the updated policy over the batch.
     new_kl = lambda part: jnp.mean(part.dist.kl(network.apply(params, part.obs, part.first, part.hidden)[1]))  # noqa: E731
-    kl = over_slices(new_kl, batch, slices, mean=True)
+    means = over_shards(jax.lax.pmean, {"kl": over_slices(new_kl, own, slices, mean=True),
+                                        "ref_kl": jnp.mean(traj.ref_kl)}, env.shards)
+    kl = means["kl"]
     kl_coef = jnp.where(hparams.kl_target > 0, adaptive_kl_coef(state.kl_coef, kl, hparams.kl_target), state.kl_coef)
 
     ended = traj.done.astype(jnp.float32)
+    sums = over_shards(jax.lax.psum, {"episodes": jnp.sum(ended), "return": jnp.sum(ended * traj.episode_return),
+                                      "length": jnp.sum(ended * traj.episode_length)}, env.shards)
     grad_steps = diagnostics.pop("grad_steps")
     metrics = {  # one scalar each; NaN return/length when no episode ended in this update
-        "episode_return": jnp.sum(ended * traj.episode_return) / jnp.sum(ended),
-        "episode_length": jnp.sum(ended * traj.episode_length) / jnp.sum(ended),
-        "episodes": jnp.sum(ended),
+        "episode_return": sums["return"] / sums["episodes"],
+        "episode_length": sums["length"] / sums["episodes"],
+        "episodes": sums["episodes"],
         **{name: jnp.mean(value) for name, value in diagnostics.items()},  # mean over epochs x minibatches
         "kl": kl,
         "kl_coef": state.kl_coef,  # the beta this update used
-        "ref_kl": jnp.where(hparams.ref_kl_coef > 0, jnp.mean(traj.ref_kl), jnp.nan),
+        "ref_kl": jnp.where(hparams.ref_kl_coef > 0, means["ref_kl"], jnp.nan),
         "grad_steps": jnp.sum(grad_steps),
-        "explained_variance": explained_variance(traj.value, targets),
+        "explained_variance": explained_variance(batch.value, batch.targets),
         "learning_rate": lr,
         "param_norm": jnp.sqrt(jnp.sum(flat_params**2)),  # after the update; non-finite: see the NaN guard
     }
@@ -1349,20 +1419,23 @@ def train_updates(state: TrainState, hparams: HParams, length: int, num_active=N
     return jax.lax.scan(body, state, jnp.arange(length))
 
 
-def make_train_parts(config: Config):
+def make_train_parts(config: Config, shards: int = 1):
     """The two programs a run is made of: init(key, hparams) -> TrainState, and
     advance(state, hparams, length, num_active=None) -> (TrainState, metrics [length]), which a
     checkpointed run calls once per chunk of updates. Policies named by --init-params and
-    --ref-params are read here and become constants of the program."""
+    --ref-params are read here and become constants of the program. With shards > 1, advance is
+    the program of one of the devices an agent's envs are sharded over (inside run_batch's
+    shard_map): its state holds that device's envs; init's holds all of them."""
     env = make_env(config)
     network = make_network(config, env)
+    own_envs = env if shards == 1 else VecEnv(config.env, config.num_envs // shards, config.env_params, shards)
     initial = load_policy(config, env, network, config.init_params, "--init-params")
     reference = load_policy(config, env, network, config.ref_params, "--ref-params")
 
     def init(key, hparams: HParams) -> TrainState:
         return init_train_state(key, env, network, make_optimizer(hparams), hparams, initial, reference)
 
-    advance = functools.partial(train_updates, config=config, env=env, network=network)
+    advance = functools.partial(train_updates, config=config, env=own_envs, network=network)
     return init, advance
 
 
@@ -1433,8 +1506,8 @@ def load_policy(config: Config, env: VecEnv, network: ActorCritic, path: str | N
 STATIC_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"hparams"}
 HPARAM_FIELDS = {f.name for f in dataclasses.fields(HParams)}
 RUN_FIELDS = {  # not part of a spec: they change how a run is driven and reported, never its results
-    "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "distributed", "compile_cache", "checkpoint_every",
-    "resume", "eval", "episodes", "deterministic", "render", "quiet"}
+    "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "env_devices", "distributed", "compile_cache",
+    "checkpoint_every", "resume", "eval", "episodes", "deterministic", "render", "quiet"}
 
 
 def flag(name: str) -> str:
@@ -1467,7 +1540,8 @@ def check_run_dir_is_new(run_dir: str | None) -> None:
         raise ConfigError(f"--run-dir {run_dir} already exists: pick a new directory (nothing is overwritten)")
 
 
-FIELD_ZERO = {"table_rows": "no table", "sweep_chunk": "all agents at once", "checkpoint_every": "about 20 chunks"}
+FIELD_ZERO = {"table_rows": "no table", "sweep_chunk": "all agents at once", "checkpoint_every": "about 20 chunks",
+              "env_devices": "auto"}
 
 
 def validate(config: Config, check_run_dir: bool = True) -> None:
@@ -1484,7 +1558,7 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
         raise ConfigError(f"--activation {config.activation!r}: use tanh or relu")
     if not config.hidden_sizes or min(config.hidden_sizes) < 1:
         raise ConfigError(f"--hidden-sizes {config.hidden_sizes}: give one or more positive widths, e.g. 64 64")
-    for name in ("table_rows", "sweep_chunk", "checkpoint_every"):
+    for name in ("table_rows", "sweep_chunk", "checkpoint_every", "env_devices"):
         if getattr(config, name) < 0:
             raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be >= 0 (0: {FIELD_ZERO[name]})")
     if config.batch_size % config.num_minibatches:
@@ -1501,6 +1575,12 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
     if config.slices < 0 or (config.slices and config.minibatch_size % config.slices):
         raise ConfigError(f"--slices {config.slices}: must divide the minibatch of {config.minibatch_size} samples "
                           "(or 0: auto)")
+    if config.env_devices > 1 and not shards_fit(config, config.env_devices):
+        what = (f"the {config.num_envs // config.num_minibatches} env sequences of a minibatch"
+                if config.recurrent != "none" else f"the minibatch of {config.minibatch_size} samples")
+        slices = f", leaving each device a part that --slices {config.slices} divides" if config.slices > 1 else ""
+        raise ConfigError(f"--env-devices {config.env_devices}: must divide --num-envs {config.num_envs} and {what}{slices}; "
+                          "or use 0 (auto) or 1 (no sharding)")
     if config.slices > 1 and config.recurrent != "none":
         raise ConfigError(f"--slices {config.slices}: slices are for feedforward networks; with "
                           f"--recurrent {config.recurrent} use 0 or 1")
@@ -1589,13 +1669,15 @@ MAX_SLICES = 8  # and at most this many (compile time grows with each; 8 or 16 s
 GRAD_CHUNK_ROWS = 128  # a small Dense kernel's gradient as a sum over chunks of this many rows (kernel_grad)
 
 
-def slices_per_pass(config: Config) -> int:
+def slices_per_pass(config: Config, shards: int = 1) -> int:
     """--slices, with 0 (auto) resolved: on CPU, for feedforward networks, the most slices of at
-    least SLICE_SAMPLES samples of a minibatch, up to MAX_SLICES, that divide the minibatch."""
+    least SLICE_SAMPLES samples of a minibatch (with sharded envs, of each device's part of it), up
+    to MAX_SLICES, that divide it."""
     if config.slices or config.recurrent != "none" or jax.default_backend() != "cpu":
         return config.slices or 1
-    most = max(1, min(MAX_SLICES, config.minibatch_size // SLICE_SAMPLES))
-    return max([n for n in range(1, most + 1) if config.minibatch_size % n == 0])
+    samples = config.minibatch_size // shards
+    most = max(1, min(MAX_SLICES, samples // SLICE_SAMPLES))
+    return max([n for n in range(1, most + 1) if samples % n == 0])
 
 
 def grad_chunk_rows() -> int:
@@ -1634,10 +1716,31 @@ def xla_options(config: Config | None = None) -> dict[str, Any] | None:
     return options
 
 
-def batch_devices(agents: int) -> list:
-    """The devices a group of `agents` is sharded over: at most one per agent (padding more would only
-    repeat work), except across hosts, where every host's devices must take part."""
-    return jax.devices() if jax.process_count() > 1 else jax.devices()[:agents]
+SHARD_SAMPLES = 512  # --env-devices auto: each device keeps at least this many samples of a minibatch
+
+
+def shards_fit(config: Config, shards: int) -> bool:
+    """Whether an agent's envs can be sharded over `shards` devices: it must divide the envs and each
+    minibatch (recurrent: its env sequences), and a device's part of a minibatch must divide into --slices."""
+    recurrent = config.recurrent != "none"
+    units = config.num_envs // config.num_minibatches if recurrent else config.minibatch_size
+    return (config.num_envs % shards == 0 and units % shards == 0
+            and (config.minibatch_size // shards) % max(1, config.slices) == 0)
+
+
+def batch_devices(config: Config, agents: int) -> tuple[list, int]:
+    """(devices, shards): the devices a group of `agents` is sharded over, and over how many of them
+    each agent's envs are (1: not sharded). At most one device per agent (padding more would only
+    repeat work); where there are more devices than agents, each agent's envs over up to
+    devices // agents of them (--env-devices; auto: while each device keeps SHARD_SAMPLES samples
+    of a minibatch). Across hosts every host's devices must take part, one agent or more each."""
+    if jax.process_count() > 1:
+        return jax.devices(), 1
+    most = jax.device_count() // agents
+    most = min(most, config.env_devices) if config.env_devices else most
+    shards = next((n for n in range(most, 1, -1) if shards_fit(config, n)
+                   and (config.env_devices or config.minibatch_size // n >= SHARD_SAMPLES)), 1)
+    return jax.devices()[:agents * shards], shards
 
 
 def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_chunk=None, timed_runs: int = 0,
@@ -1645,8 +1748,10 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     """Train a batch of agents of one static config: keys [B, 2] and HParams leaves [B] are vmapped
     together. Two jitted programs: init, and a chunk of chunk_length(config) updates, which the run
     calls until every update is done (its state donated, on accelerators). The batch axis is sharded
-    over batch_devices (a 1-D mesh, padded to a multiple of the device count by repeating the last
-    agent; the padding is dropped after; on CPU, a device per core). With chunk_size, the agents run
+    over batch_devices (padded to a multiple of the device count by repeating the last agent; the
+    padding is dropped after; on CPU, a device per core); where there are more devices than agents,
+    each agent's envs are sharded too (a 2-D mesh, batch x ENV_AXIS: the chunk program is a
+    shard_map, each device's program stepping its envs). With chunk_size, the agents run
     in groups of that many through the same compiled programs (each chunk of updates, group after
     group).
 
@@ -1658,9 +1763,9 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     keys = np.asarray(keys)
     size = keys.shape[0]
     group = min(chunk_size or size, size)
-    devices = batch_devices(group)
+    devices, shards = batch_devices(config, group)
     num_devices = len(devices)
-    group = -(-group // num_devices) * num_devices  # round up to a multiple of the device count
+    group = -(-group // (num_devices // shards)) * (num_devices // shards)  # a multiple of the devices' rows
     num_groups = -(-size // group)
     pad = lambda x: np.concatenate([x, np.repeat(x[-1:], num_groups * group - size, axis=0)])  # noqa: E731
     # An hparam with one value across the batch is passed once, not vmapped (speed: a lax.cond on
@@ -1670,7 +1775,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     keys = pad(keys)
     slice_of = lambda x, v, i: x[i * group:(i + 1) * group] if v else x  # noqa: E731
 
-    init, advance = make_train_parts(config)
+    init, advance = make_train_parts(config, shards)
     if not varies.ortho_init:  # then a constant of the init program, which compiles that init alone
         traced_init, ortho_init = init, bool(hparams.ortho_init)
         init = lambda key, hp: traced_init(key, hp.replace(ortho_init=ortho_init))  # noqa: E731
@@ -1689,32 +1794,45 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     # there, same-process A/Bs at 512 envs ran 165 -> 173 and 171 -> 176 ms per update with it
     # (64 envs +2 %, 4 envs the same), and a state's extra copy in host memory is small.
     donated = () if jax.default_backend() == "cpu" else 0
+    batched, replicated = PartitionSpec("batch"), PartitionSpec()
+    env_leaves = PartitionSpec("batch", ENV_AXIS)  # [agents, envs, ...]
+    state_specs = TrainState(  # a prefix of the state's tree: each field's leaves alike
+        params=batched, opt_state=batched, env_state=env_leaves, obs=env_leaves, hidden=env_leaves,
+        obs_stats=batched, reward_stats=batched, discounted_return=env_leaves, kl_coef=batched,
+        reference=batched, ref_hidden=env_leaves, key=batched, update=batched)
     if num_devices == 1:
         # One device (the usual CPU case): a plain jit, no sharding machinery.
         init_batch = jax.jit(init_batch)
         advance_batch = jax.jit(advance_batch, donate_argnums=donated)
-        put = lambda x, batched: jax.device_put(x)  # noqa: E731
+        put = lambda x, spec: jax.device_put(x)  # noqa: E731
     else:
-        mesh = Mesh(np.asarray(devices), ("batch",))
-        sharding, replicated = NamedSharding(mesh, PartitionSpec("batch")), NamedSharding(mesh, PartitionSpec())
-        hparams_sharding = jax.tree.map(lambda v: sharding if v else replicated, varies)
-        init_batch = jax.jit(init_batch, in_shardings=(sharding, hparams_sharding), out_shardings=sharding)
-        advance_batch = jax.jit(advance_batch, in_shardings=(sharding, hparams_sharding, replicated),
-                                out_shardings=sharding, donate_argnums=donated)
+        mesh = Mesh(np.asarray(devices).reshape(-1, shards), ("batch", ENV_AXIS))
+        hparams_specs = jax.tree.map(lambda v: batched if v else replicated, varies)
+        named = lambda specs: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)  # noqa: E731
+        if shards > 1:  # each device runs advance on its envs; out: the metrics are equal across ENV_AXIS
+            advance_batch = jax.shard_map(advance_batch, mesh=mesh, in_specs=(state_specs, hparams_specs, replicated),
+                                          out_specs=(state_specs, batched), check_vma=False)
+        init_batch = jax.jit(init_batch, in_shardings=(named(batched), named(hparams_specs)),
+                             out_shardings=named(state_specs))
+        advance_batch = jax.jit(advance_batch, donate_argnums=donated,
+                                in_shardings=(named(state_specs), named(hparams_specs), named(replicated)),
+                                out_shardings=(named(state_specs), named(batched)))
 
-        def put(x, batched):  # each host supplies the shards of its own devices
+        def put(x, spec):  # each host supplies the shards of its own devices
             x = np.asarray(x)
-            return jax.make_array_from_callback(x.shape, sharding if batched else replicated, lambda index: x[index])
+            return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda index: x[index])
 
-    group_keys = [put(slice_of(keys, True, i), True) for i in range(num_groups)]
-    group_hparams = [jax.tree.map(lambda x, v: put(slice_of(x, v, i), v), hparams, varies) for i in range(num_groups)]
+    group_keys = [put(slice_of(keys, True, i), batched) for i in range(num_groups)]
+    group_hparams = [jax.tree.map(lambda x, v: put(slice_of(x, v, i), batched if v else replicated), hparams, varies)
+                     for i in range(num_groups)]
     timer = time.perf_counter()
     lowered_init = init_batch.lower(group_keys[0], group_hparams[0])
     # Compile time: XLA compiles the init program on a second thread while this one lowers the chunk
     # program (Python, one core). Measured here: ~1 s less of a ~7.5 s cold compile on 2 cores.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         init_compiled = pool.submit(lowered_init.compile, xla_options(config))
-        lowered_advance = advance_batch.lower(lowered_init.out_info, group_hparams[0], put(np.int32(length), False))
+        lowered_advance = advance_batch.lower(lowered_init.out_info, group_hparams[0],
+                                              put(np.int32(length), replicated))
         lowered_at = time.perf_counter()
         compiled_advance, compiled_init = lowered_advance.compile(xla_options(config)), init_compiled.result()
     compiled_at = time.perf_counter()
@@ -1729,7 +1847,8 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
             states, metrics = [compiled_init(group_keys[i], group_hparams[i]) for i in range(num_groups)], None
         else:
             padded = jax.tree.map(pad, start.state)
-            states = [jax.tree.map(lambda x: put(slice_of(x, True, i), True), padded) for i in range(num_groups)]
+            states = [jax.tree.map(lambda spec, field: jax.tree.map(lambda x: put(slice_of(x, True, i), spec), field),
+                                   state_specs, padded) for i in range(num_groups)]
             metrics = start.metrics
         first_done = done = 0 if start is None else start.updates_done
         if on_chunk:
@@ -1740,7 +1859,8 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
             num_active = min(length, config.num_updates - done)
             parts = []
             for i in range(num_groups):
-                states[i], chunk_metrics = compiled_advance(states[i], group_hparams[i], put(np.int32(num_active), False))
+                active = put(np.int32(num_active), replicated)
+                states[i], chunk_metrics = compiled_advance(states[i], group_hparams[i], active)
                 parts.append(to_host(chunk_metrics))
             new = jax.tree.map(lambda *p: np.concatenate(p)[:size, :num_active], *parts)
             metrics = new if metrics is None else jax.tree.map(lambda a, b: np.concatenate([a, b], 1), metrics, new)
@@ -2802,10 +2922,12 @@ def main(argv: Sequence[str] | None = None):
     if config.sweep or config.sweep_set:
         run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}") if writer else None
         agents = len(sweep.points) * sum(c.num_seeds for c in sweep.configs)
-        group = max(len(sweep.points) * c.num_seeds for c in sweep.configs)  # run_batch's, per static setting
+        groups = [(c, len(sweep.points) * c.num_seeds) for c in sweep.configs]  # run_batch's, per static setting
+        layouts = [batch_devices(c, min(config.sweep_chunk or group, group)) for c, group in groups]
         print(f"ppo_jax sweep {sweep.name!r}: {len(sweep.configs)} static setting(s) x {len(sweep.points)} point(s) "
-              f"x seeds = {agents} agents, sharded over {len(batch_devices(min(config.sweep_chunk or group, group)))} "
-              f"{jax.devices()[0].platform} device(s)")
+              f"x seeds = {agents} agents, sharded over {max(len(d) for d, _ in layouts)} "
+              f"{jax.devices()[0].platform} device(s)"
+              + (", an agent's envs over several" if max(shards for _, shards in layouts) > 1 else ""))
         if writer:
             with open(os.path.join(run_dir, "sweep.toml"), "w") as f:
                 f.write(resolved_sweep_toml(sweep, config.sweep or "--sweep-set"))
@@ -2819,8 +2941,10 @@ def main(argv: Sequence[str] | None = None):
             write_config(run_dir, config)
     else:
         run_dir = config.resume if writer else None
+    devices, shards = batch_devices(config, min(config.sweep_chunk or config.num_seeds, config.num_seeds))
     print(f"ppo_jax: {config.env}, {config.num_seeds} seed(s) x {config.num_updates} updates x "
-          f"{config.batch_size} steps ({config.num_envs} envs x {config.num_steps}) on {jax.devices()[0]}"
+          f"{config.batch_size} steps ({config.num_envs} envs x {config.num_steps}) on {len(devices)} "
+          f"{devices[0].platform} device(s)" + (f", each seed's envs over {shards}" if shards > 1 else "")
           + (f", resumed at update {start.updates_done}" if start else ""))
     try:
         result, status = train_run(config, run_dir, start)

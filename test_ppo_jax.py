@@ -871,6 +871,9 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--recurrent", "gru", "--recurrent-size", "0"], ["--recurrent-size", "positive"]),
     (["--slices", "3"], ["--slices", "divide", "128"]),
     (["--recurrent", "gru", "--slices", "2"], ["--slices", "feedforward"]),
+    (["--env-devices", "3"], ["--env-devices 3", "--num-envs 4", "divide"]),
+    (["--env-devices", "2", "--recurrent", "gru", "--num-minibatches", "4"], ["--env-devices 2", "env sequences"]),
+    (["--env-devices", "-1"], ["--env-devices", ">= 0"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -907,7 +910,7 @@ def test_big_minibatches_compile_without_ynnpack_and_run_batch_uses_the_same_opt
     fusions (a speed choice); run_batch passes the same options as xla_options(config), so its
     results equal make_train's compiled that way, bit for bit. With AVX-512, XLA's default stays."""
     config = tiny_config(num_envs=32, num_steps=128, num_minibatches=1, update_epochs=1,
-                         total_timesteps=2 * 32 * 128)
+                         total_timesteps=2 * 32 * 128, env_devices=1)  # one device, as make_train's program
     assert config.minibatch_size == P.EIGEN_DOTS_FROM_MINIBATCH
     monkeypatch.setattr(P, "cpu_has_avx512", lambda: True)
     assert "xla_cpu_experimental_ynn_fusion_type" not in P.xla_options(config)
@@ -1401,6 +1404,78 @@ def test_sweep_sharded_over_eight_devices_equals_one_device(tmp_path):
     assert sharded["policy_loss"].shape == (12, config.num_updates)  # the padding to 16 was dropped
     for name, value in local.metrics.items():
         np.testing.assert_allclose(sharded[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+ENV_SHARDED_SCRIPT = """
+import dataclasses, sys, numpy as np, jax
+import ppo_jax as P
+import test_ppo_jax as T
+assert jax.device_count() == 4, jax.devices()
+hparams = P.HParams(norm_obs=True, scale_reward=True, lr=3e-3, target_kl=5e-4)
+configs = {
+    "one": T.tiny_config(num_envs=8, total_timesteps=8 * 32 * 3, env_devices=4, hparams=hparams),
+    "gru": T.tiny_config(num_envs=8, num_minibatches=2, total_timesteps=8 * 32 * 3, recurrent="gru", env_devices=2),
+}
+out = {}
+for name, config in configs.items():
+    result = P.run(config)
+    assert result.num_devices == config.env_devices, (name, result.num_devices)
+    out.update({f"{name}/{k}": v for k, v in result.metrics.items()})
+    out.update({f"{name}/params/{i}": x for i, x in enumerate(jax.tree.leaves(result.state.params))})
+    out[f"{name}/obs_stats"] = np.asarray(result.state.obs_stats.mean)
+# Two agents of different hparams, each over 2 devices: a 2-D mesh of all 4.
+config = dataclasses.replace(configs["one"], env_devices=2, num_seeds=2)
+two = P.run_batch(config, P.seed_keys(config), P.stack_hparams([hparams, hparams.replace(lr=1e-3)]))
+assert two.num_devices == 4, two.num_devices
+out.update({f"two/{k}": v for k, v in two.metrics.items()})
+# Stopped after the first chunk and resumed from its state: bit-identical to the whole run.
+config = dataclasses.replace(configs["one"], checkpoint_every=1)
+whole = P.run(config)
+stopped = P.run_batch(config, P.seed_keys(config), P.stack_hparams([hparams]),
+                      on_chunk=lambda done, metrics, state: done == 1)
+first = P.Checkpoint(stopped.state, {k: v for k, v in stopped.metrics.items() if k != "env_steps"})
+resumed = P.run_batch(config, P.seed_keys(config), P.stack_hparams([hparams]), start=first)
+for k, v in whole.metrics.items():
+    np.testing.assert_array_equal(resumed.metrics[k], v, err_msg=k)
+# Auto (--env-devices 0): as many devices as leave each SHARD_SAMPLES samples of a minibatch.
+auto = T.tiny_config(num_envs=64, num_minibatches=1, total_timesteps=64 * 32)
+assert auto.minibatch_size == 4 * P.SHARD_SAMPLES
+assert P.batch_devices(auto, 1)[1] == 4 and P.batch_devices(auto, 2)[1] == 2 and P.batch_devices(auto, 4)[1] == 1
+assert P.batch_devices(dataclasses.replace(auto, num_envs=32), 1)[1] == 2  # 1024 samples: 2 devices
+assert P.batch_devices(dataclasses.replace(auto, env_devices=1), 1) == (jax.devices()[:1], 1)
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_one_agents_envs_sharded_over_devices_equal_one_device(tmp_path):
+    """--env-devices: an agent's envs over 2 or 4 CPU devices (one shard_map: each device its envs'
+    rollout and its part of every minibatch, the gradients averaged) learn as on one device, to float
+    rounding: metrics, params and observation statistics; with --norm-obs, --scale-reward,
+    --target-kl, a GRU, two agents of different hparams; a resumed sharded run is bit-identical."""
+    out = tmp_path / "env_sharded.npz"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    done = subprocess.run([sys.executable, "-c", ENV_SHARDED_SCRIPT, str(out)], env=env, capture_output=True,
+                          text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded = np.load(out)
+    hparams = P.HParams(norm_obs=True, scale_reward=True, lr=3e-3, target_kl=5e-4)
+    one = tiny_config(num_envs=8, total_timesteps=8 * 32 * 3, env_devices=1, hparams=hparams)
+    gru = tiny_config(num_envs=8, num_minibatches=2, total_timesteps=8 * 32 * 3, recurrent="gru", env_devices=1)
+    for name, config in {"one": one, "gru": gru}.items():
+        result = P.run(config)
+        assert result.num_devices == 1
+        assert np.all(result.metrics["episodes"] > 0)
+        assert name != "one" or np.any(result.metrics["grad_steps"] < 8)  # --target-kl stopped some updates
+        for k, v in result.metrics.items():
+            np.testing.assert_allclose(sharded[f"{name}/{k}"], v, rtol=2e-5, atol=1e-6, err_msg=f"{name} {k}")
+        for i, x in enumerate(jax.tree.leaves(result.state.params)):
+            np.testing.assert_allclose(sharded[f"{name}/params/{i}"], x, rtol=1e-5, atol=1e-6, err_msg=f"{name} {i}")
+        np.testing.assert_allclose(sharded[f"{name}/obs_stats"], result.state.obs_stats.mean, rtol=1e-5, atol=1e-7)
+    two_config = dataclasses.replace(one, num_seeds=2)
+    two = P.run_batch(two_config, P.seed_keys(two_config), P.stack_hparams([hparams, hparams.replace(lr=1e-3)]))
+    for k, v in two.metrics.items():
+        np.testing.assert_allclose(sharded[f"two/{k}"], v, rtol=2e-5, atol=1e-6, err_msg=f"two {k}")
 
 
 def test_sweep_end_to_end_writes_every_output_and_reruns_from_its_resolved_spec(tmp_path, capsys):
