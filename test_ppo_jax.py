@@ -1437,6 +1437,16 @@ first = P.Checkpoint(stopped.state, {k: v for k, v in stopped.metrics.items() if
 resumed = P.run_batch(config, P.seed_keys(config), P.stack_hparams([hparams]), start=first)
 for k, v in whole.metrics.items():
     np.testing.assert_array_equal(resumed.metrics[k], v, err_msg=k)
+# What is not sharded (params, Adam's state, statistics) stays one identical copy on every device.
+seen, to_host = [], P.to_host
+P.to_host = lambda tree: seen.append(tree) or to_host(tree)
+P.run(configs["one"])
+P.to_host = to_host
+state = seen[-1]  # the device state of the last chunk, as run_batch hands it to the host
+copies = jax.tree.leaves((state.params, state.opt_state, state.obs_stats, state.reward_stats, state.kl_coef))
+for leaf in copies:
+    parts = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+    assert len(parts) == 4 and all(np.array_equal(part, parts[0]) for part in parts), leaf
 # Auto (--env-devices 0): as many devices as leave each SHARD_SAMPLES samples of a minibatch.
 auto = T.tiny_config(num_envs=64, num_minibatches=1, total_timesteps=64 * 32)
 assert auto.minibatch_size == 4 * P.SHARD_SAMPLES
@@ -1451,7 +1461,8 @@ def test_one_agents_envs_sharded_over_devices_equal_one_device(tmp_path):
     """--env-devices: an agent's envs over 2 or 4 CPU devices (one shard_map: each device its envs'
     rollout and its part of every minibatch, the gradients averaged) learn as on one device, to float
     rounding: metrics, params and observation statistics; with --norm-obs, --scale-reward,
-    --target-kl, a GRU, two agents of different hparams; a resumed sharded run is bit-identical."""
+    --target-kl, a GRU, two agents of different hparams; a resumed sharded run is bit-identical; every
+    device holds the same copy of the params, Adam's state and the statistics."""
     out = tmp_path / "env_sharded.npz"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
