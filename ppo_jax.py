@@ -242,7 +242,7 @@ class Config:
     share of every minibatch, and the gradients are averaged across them (results equal the
     unsharded run's up to float rounding). 0: auto, as many devices as divide the envs and the
     minibatches while each keeps at least SHARD_SAMPLES samples of a minibatch (on CPU every core is
-    a device: see README, Speed); 1: never."""
+    a device: see README, Speed); 1: never. Single host only (--distributed shards agents alone)."""
     distributed: bool = False
     """Call jax.distributed.initialize() first: run the same command on every host of a multi-host
     slice; the batch is sharded over all their devices and host 0 writes the outputs."""
