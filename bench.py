@@ -275,11 +275,10 @@ def one_config(name: str, quick: bool, repeats: int, cache_dir: str | None, with
     }
     run_seconds = result.run_seconds
     steps_per_s = row["steps_per_agent"] * agents / run_seconds
-    env_only, env_forward = references(config.env, config.num_envs * agents, min(row["steps_per_agent"] * agents, 1 << 21),
-                                       repeats, result.num_devices)
+    work = (config.env, config.num_envs * agents, min(row["steps_per_agent"] * agents, 1 << 21), repeats)
+    env_only, env_forward = references(*work, result.num_devices)
     if result.num_devices > 1:  # the references on one device too (as the public figures were measured)
-        _, one_device = references(config.env, config.num_envs * agents, min(row["steps_per_agent"] * agents, 1 << 21),
-                                   repeats, 1)
+        _, one_device = references(*work, 1)
         row["env_forward_one_device"] = round(one_device)
         row["ppo_over_env_forward_one_device"] = round(steps_per_s / one_device, 3)
     if result.num_devices > agents:  # the agent's envs were sharded: the same run unsharded, for the gain

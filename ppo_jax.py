@@ -70,9 +70,10 @@ def usable_cores() -> int:
 # xla_force_host_platform_device_count), so that a batch of agents (seeds, sweep points) is sharded
 # over the cores like over GPUs: each device runs its share of the agents as its own program, side by
 # side. Speed, 2-core Xeon: 8 stacked CartPole agents 211k -> 443-453k env steps/s, 64 agents 206k ->
-# 372k. One agent runs on one device, as before (XLA still spreads its kernels over every core). Like
-# the async-dispatch switch above, it must be set before the CPU backend starts (imported after JAX
-# has run something, ppo_jax keeps the devices there are).
+# 372k. Where agents are fewer than devices, each agent's envs are sharded over several (run_batch,
+# --env-devices); a small config stays on one device, where XLA still spreads its kernels over every
+# core. Like the async-dispatch switch above, it must be set before the CPU backend starts (imported
+# after JAX has run something, ppo_jax keeps the devices there are).
 if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
         "XLA_FLAGS", ""):
     try:
@@ -1307,7 +1308,8 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     )
     recurrent = network.recurrent_size > 0
     batch = make_batch(traj, advantages, targets, start_hidden, recurrent, env.shards)  # the whole agent's
-    own = make_batch(traj, advantages, targets, start_hidden, recurrent)  # this device's envs (unsharded: batch)
+    # This device's envs alone, for the KL pass (unsharded: the batch itself).
+    own = make_batch(traj, advantages, targets, start_hidden, recurrent) if env.shards > 1 else batch
 
     # Speed: every epoch's shuffle drawn in one vectorised call, and the gradient steps on one flat
     # parameter vector, so that clipping and Adam are a few fused ops instead of a few per leaf.
@@ -1580,8 +1582,8 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
         what = (f"the {config.num_envs // config.num_minibatches} env sequences of a minibatch"
                 if config.recurrent != "none" else f"the minibatch of {config.minibatch_size} samples")
         slices = f", leaving each device a part that --slices {config.slices} divides" if config.slices > 1 else ""
-        raise ConfigError(f"--env-devices {config.env_devices}: must divide --num-envs {config.num_envs} and {what}{slices}; "
-                          "or use 0 (auto) or 1 (no sharding)")
+        raise ConfigError(f"--env-devices {config.env_devices}: must divide --num-envs {config.num_envs} and "
+                          f"{what}{slices}; or use 0 (auto) or 1 (no sharding)")
     if config.slices > 1 and config.recurrent != "none":
         raise ConfigError(f"--slices {config.slices}: slices are for feedforward networks; with "
                           f"--recurrent {config.recurrent} use 0 or 1")

@@ -1406,16 +1406,26 @@ def test_sweep_sharded_over_eight_devices_equals_one_device(tmp_path):
         np.testing.assert_allclose(sharded[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+ENV_SHARDED_HPARAMS = P.HParams(norm_obs=True, scale_reward=True, lr=3e-3, target_kl=5e-4)
+
+
+def env_sharded_configs(one_devices: int, gru_devices: int) -> dict[str, P.Config]:
+    """The runs of the env-sharding test, with --env-devices as given (the subprocess's and the reference's)."""
+    return {
+        "one": tiny_config(num_envs=8, total_timesteps=8 * 32 * 3, env_devices=one_devices,
+                           hparams=ENV_SHARDED_HPARAMS),
+        "gru": tiny_config(num_envs=8, num_minibatches=2, total_timesteps=8 * 32 * 3, recurrent="gru",
+                           env_devices=gru_devices),
+    }
+
+
 ENV_SHARDED_SCRIPT = """
 import dataclasses, sys, numpy as np, jax
 import ppo_jax as P
 import test_ppo_jax as T
 assert jax.device_count() == 4, jax.devices()
-hparams = P.HParams(norm_obs=True, scale_reward=True, lr=3e-3, target_kl=5e-4)
-configs = {
-    "one": T.tiny_config(num_envs=8, total_timesteps=8 * 32 * 3, env_devices=4, hparams=hparams),
-    "gru": T.tiny_config(num_envs=8, num_minibatches=2, total_timesteps=8 * 32 * 3, recurrent="gru", env_devices=2),
-}
+hparams = T.ENV_SHARDED_HPARAMS
+configs = T.env_sharded_configs(4, 2)
 out = {}
 for name, config in configs.items():
     result = P.run(config)
@@ -1470,10 +1480,9 @@ def test_one_agents_envs_sharded_over_devices_equal_one_device(tmp_path):
                           text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert done.returncode == 0, done.stderr[-3000:]
     sharded = np.load(out)
-    hparams = P.HParams(norm_obs=True, scale_reward=True, lr=3e-3, target_kl=5e-4)
-    one = tiny_config(num_envs=8, total_timesteps=8 * 32 * 3, env_devices=1, hparams=hparams)
-    gru = tiny_config(num_envs=8, num_minibatches=2, total_timesteps=8 * 32 * 3, recurrent="gru", env_devices=1)
-    for name, config in {"one": one, "gru": gru}.items():
+    hparams = ENV_SHARDED_HPARAMS
+    configs = env_sharded_configs(1, 1)
+    for name, config in configs.items():
         result = P.run(config)
         assert result.num_devices == 1
         assert np.all(result.metrics["episodes"] > 0)
@@ -1483,7 +1492,7 @@ def test_one_agents_envs_sharded_over_devices_equal_one_device(tmp_path):
         for i, x in enumerate(jax.tree.leaves(result.state.params)):
             np.testing.assert_allclose(sharded[f"{name}/params/{i}"], x, rtol=1e-5, atol=1e-6, err_msg=f"{name} {i}")
         np.testing.assert_allclose(sharded[f"{name}/obs_stats"], result.state.obs_stats.mean, rtol=1e-5, atol=1e-7)
-    two_config = dataclasses.replace(one, num_seeds=2)
+    two_config = dataclasses.replace(configs["one"], num_seeds=2)
     two = P.run_batch(two_config, P.seed_keys(two_config), P.stack_hparams([hparams, hparams.replace(lr=1e-3)]))
     for k, v in two.metrics.items():
         np.testing.assert_allclose(sharded[f"two/{k}"], v, rtol=2e-5, atol=1e-6, err_msg=f"two {k}")
