@@ -42,10 +42,25 @@ def tiny_config(**overrides) -> P.Config:
     return P.Config(**base)
 
 
-def jit_train(config: P.Config):
-    """make_train(config) compiled as run_batch compiles its programs (with P.xla_options(config)), so
-    that their results can be compared bit for bit."""
-    return jax.jit(P.make_train(config), compiler_options=P.xla_options(config))
+class TrainPrograms:
+    """make_train(config)'s train(key, hparams), compiled as run_batch compiles its two programs: init
+    with P.init_xla_options() and the updates with P.xla_options(config), so that their results can
+    be compared bit for bit."""
+
+    def __init__(self, config: P.Config):
+        init, advance = P.make_train_parts(config)
+        self.init = jax.jit(init, compiler_options=P.init_xla_options())
+        self.updates = jax.jit(lambda state, hparams: advance(state, hparams, config.num_updates),
+                               compiler_options=P.xla_options(config))
+
+    def __call__(self, key, hparams: P.HParams):
+        return self.updates(self.init(key, hparams), hparams)
+
+    def _cache_size(self) -> int:  # as a jitted function's: how many compiles of each program
+        return max(self.init._cache_size(), self.updates._cache_size())
+
+
+jit_train = TrainPrograms
 
 
 def first_rollout(config: P.Config, key, hparams: P.HParams | None = None):
@@ -917,9 +932,10 @@ def test_big_minibatches_compile_without_ynnpack_and_run_batch_uses_the_same_opt
     monkeypatch.setattr(P, "cpu_has_avx512", lambda: False)
     assert "xla_cpu_experimental_ynn_fusion_type" not in P.xla_options(tiny_config())
     key = P.seed_keys(config)[0]
-    compiled = jit_train(config).lower(key, config.hparams).compile()
-    assert "__ynn_fusion" not in compiled.as_text()  # the custom fusion kind YNNPACK's calls carry
-    state, metrics = compiled(key, config.hparams)
+    train = jit_train(config)
+    start = train.init(key, config.hparams)
+    assert "__ynn_fusion" not in train.updates.lower(start, config.hparams).compile().as_text()  # YNNPACK's calls' kind
+    state, metrics = train(key, config.hparams)
     result = P.run(config)
     for name, value in metrics.items():
         np.testing.assert_array_equal(result.metrics[name][0], value, err_msg=name)
