@@ -1776,8 +1776,8 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     on_chunk(updates_done, metrics, state) is called once when the programs are compiled and
     after every chunk: metrics so far [B, updates_done] with env_steps, and state() fetches the
     TrainState [B] to the host. If it returns True, the run stops there. `start` continues a run
-    from a checkpoint instead of init. For benchmarks: with timed_runs > 0 the whole batch runs once
-    more as a warm-up and then timed_runs times, and run_seconds is the median of the timed runs."""
+    from a checkpoint instead of init. For benchmarks: with timed_runs > 0 the whole batch runs
+    timed_runs more times after the first (a warm-up), and run_seconds is the median of those."""
     keys = np.asarray(keys)
     size = keys.shape[0]
     group = min(chunk_size or size, size)
@@ -1859,7 +1859,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
         return jax.tree.map(lambda *parts: np.concatenate(parts)[:size], *[to_host(s) for s in states])
 
     seconds = []
-    for _ in range(1 + timed_runs + (timed_runs > 0)):
+    for _ in range(1 + timed_runs):
         run_start = time.perf_counter()
         if start is None:
             states, metrics = [compiled_init(group_keys[i], group_hparams[i]) for i in range(num_groups)], None
