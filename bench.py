@@ -1,7 +1,7 @@
 """Benchmarks for ppo_jax: figures to report, never asserted (shared machines are noisy).
 
     python bench.py            # every config, about 15 minutes on 2 CPU cores
-    python bench.py --quick    # shorter runs of the two CartPole headline configs, about 2 minutes
+    python bench.py --quick    # shorter runs of the two CartPole headline configs, about 1.5 minutes
     python bench.py --configs cartpole_classic cartpole_512envs   # some of them
     python bench.py --gpu      # on an accelerator: 1 to 2048 CartPole agents x 5e5 steps, brax:ant x 5e7
     python bench.py --no-plain # without the plain-PPO yardstick (below)
@@ -346,7 +346,7 @@ def machine():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"shorter runs of {', '.join(QUICK)} (about two minutes)")
+    parser.add_argument("--quick", action="store_true", help=f"shorter runs of {', '.join(QUICK)} (about 1.5 minutes)")
     parser.add_argument("--out", default="bench.json", help="where to write the figures (default: bench.json)")
     parser.add_argument("--gpu", action="store_true", help=f"the accelerator configs: {', '.join(GPU)}")
     parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), help="only these configs")
