@@ -60,9 +60,6 @@ class TrainPrograms:
         return max(self.init._cache_size(), self.updates._cache_size())
 
 
-jit_train = TrainPrograms
-
-
 def first_rollout(config: P.Config, key, hparams: P.HParams | None = None):
     """The initial train state exactly as train() builds it, and its first rollout."""
     hparams = config.hparams if hparams is None else hparams
@@ -358,18 +355,18 @@ def test_random_orders_rows_are_independent():
 def test_same_key_gives_bit_identical_metrics():
     config = tiny_config()
     key = jax.random.PRNGKey(7)
-    _, first = jit_train(config)(key, config.hparams)
-    _, second = jit_train(config)(key, config.hparams)
+    _, first = TrainPrograms(config)(key, config.hparams)
+    _, second = TrainPrograms(config)(key, config.hparams)
     for name in first:
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
-    _, other = jit_train(config)(jax.random.PRNGKey(8), config.hparams)
+    _, other = TrainPrograms(config)(jax.random.PRNGKey(8), config.hparams)
     assert not np.array_equal(first["policy_loss"], other["policy_loss"])
 
 
 def test_vmapped_seeds_equal_single_runs():
     config = tiny_config(num_seeds=3)
     result = P.run(config)
-    train = jit_train(config)
+    train = TrainPrograms(config)
     for i, key in enumerate(P.seed_keys(config)):
         state, metrics = train(key, config.hparams)
         for name, value in metrics.items():
@@ -394,7 +391,7 @@ def test_metrics_shapes_and_nan_return_when_no_episode_ended():
 
 def test_hparams_are_traced_not_compiled_in():
     config = tiny_config()
-    train = jit_train(config)
+    train = TrainPrograms(config)
     key = jax.random.PRNGKey(0)
     _, base = train(key, config.hparams)
     _, other = train(key, dataclasses.replace(config.hparams, lr=1e-2))
@@ -472,7 +469,7 @@ def test_leash_penalty_is_zero_at_the_reference_and_exact_elsewhere():
 def test_ppo_penalty_beta_follows_the_adaptive_rule():
     config = tiny_config(total_timesteps=4 * 32 * 8)
     hparams = dataclasses.replace(config.hparams, clip_eps=0.0, kl_coef=1.0, kl_target=0.002, lr=3e-3)
-    _, metrics = jit_train(config)(jax.random.PRNGKey(0), hparams)
+    _, metrics = TrainPrograms(config)(jax.random.PRNGKey(0), hparams)
     beta, kl = np.asarray(metrics["kl_coef"]), np.asarray(metrics["kl"])
     assert beta[0] == 1.0
     for i in range(len(beta) - 1):
@@ -503,7 +500,7 @@ def test_adam_step_is_optax_bit_for_bit_and_a_stopped_step_keeps_the_state():
 
 def test_target_kl_masks_the_remaining_steps():
     config = tiny_config()
-    train = jit_train(config)
+    train = TrainPrograms(config)
     _, free = train(jax.random.PRNGKey(0), dataclasses.replace(config.hparams, lr=1e-2))
     _, stopped = train(jax.random.PRNGKey(0), dataclasses.replace(config.hparams, lr=1e-2, target_kl=1e-4))
     full = config.update_epochs * config.num_minibatches
@@ -544,7 +541,7 @@ def test_an_update_in_slices_equals_one_without():
     --slices 1: one update's metrics and params equal up to float rounding."""
     config = tiny_config(num_envs=8, num_steps=64, num_minibatches=2, total_timesteps=8 * 64)
     hparams = dataclasses.replace(config.hparams, kl_coef=0.5, kl_target=0.01)
-    runs = [jit_train(dataclasses.replace(config, slices=n))(jax.random.PRNGKey(2), hparams) for n in (1, 4)]
+    runs = [TrainPrograms(dataclasses.replace(config, slices=n))(jax.random.PRNGKey(2), hparams) for n in (1, 4)]
     (whole_state, whole), (state, sliced) = runs
     for name, value in whole.items():
         np.testing.assert_allclose(sliced[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
@@ -650,7 +647,7 @@ def test_every_switch_changes_the_first_updates():
     """A dead flag fails here: flipping each HParams switch changes the params after two updates
     (two, because the KL leash and beta's adaptation act from the second), all in one compile."""
     config = switch_test_config()
-    train = jit_train(config)
+    train = TrainPrograms(config)
     key = jax.random.PRNGKey(0)
     for name, (base, flipped) in SWITCHES.items():
         runs = [train(key, P.HParams(**{**SWITCH_BASE, **overrides})) for overrides in (base, flipped)]
@@ -664,8 +661,8 @@ def test_every_switch_changes_the_first_updates():
 @pytest.mark.parametrize("static", [dict(shared_trunk=True), dict(activation="relu")])
 def test_static_switches_change_the_run(static):
     config = switch_test_config()
-    _, base = jit_train(config)(jax.random.PRNGKey(0), config.hparams)
-    _, flipped = jit_train(dataclasses.replace(config, **static))(jax.random.PRNGKey(0), config.hparams)
+    _, base = TrainPrograms(config)(jax.random.PRNGKey(0), config.hparams)
+    _, flipped = TrainPrograms(dataclasses.replace(config, **static))(jax.random.PRNGKey(0), config.hparams)
     assert not np.array_equal(base["value_loss"], flipped["value_loss"])
 
 
@@ -800,14 +797,14 @@ def test_init_and_ref_params_load_a_saved_policy(tmp_path, capsys):
     path = str(saved / "params.msgpack")
     # Training from it with a vanishing learning rate ends where it started.
     config = tiny_config(hidden_sizes=(8,), init_params=path, total_timesteps=4 * 32)
-    state, _ = jit_train(config)(jax.random.PRNGKey(1), dataclasses.replace(config.hparams, lr=1e-12))
+    state, _ = TrainPrograms(config)(jax.random.PRNGKey(1), dataclasses.replace(config.hparams, lr=1e-12))
     restored = serialization.msgpack_restore(open(path, "rb").read())
     np.testing.assert_allclose(state.params["params"]["actor_0"]["kernel"],
                                restored["params"]["params"]["actor_0"]["kernel"][0], atol=1e-6)
     assert float(state.obs_stats.count) > float(restored["obs_stats"]["count"][0])  # it kept counting
     # As the leash's reference, it differs from a fresh policy: KL > 0 from the first update.
     config = tiny_config(hidden_sizes=(8,), ref_params=path)
-    _, metrics = jit_train(config)(jax.random.PRNGKey(1), dataclasses.replace(config.hparams, ref_kl_coef=0.1))
+    _, metrics = TrainPrograms(config)(jax.random.PRNGKey(1), dataclasses.replace(config.hparams, ref_kl_coef=0.1))
     assert metrics["ref_kl"][0] > 0
     # The wrong architecture is one clear line, before compiling.
     with pytest.raises(SystemExit):
@@ -909,7 +906,7 @@ def test_a_run_in_chunks_equals_one_program():
     """run_batch runs init, then chunks of --checkpoint-every updates (the last one shorter, its extra
     updates skipped by lax.cond): bit-identical to make_train's one scan over all updates."""
     config = tiny_config(total_timesteps=4 * 32 * 7, hparams=P.HParams(norm_obs=True, scale_reward=True))
-    state, metrics = jit_train(config)(P.seed_keys(config)[0], config.hparams)
+    state, metrics = TrainPrograms(config)(P.seed_keys(config)[0], config.hparams)
     for every in (3, 7):  # chunks 3 + 3 + 1 (of a 3-update program), and one chunk
         result = P.run(dataclasses.replace(config, checkpoint_every=every))
         for name, value in metrics.items():
@@ -932,7 +929,7 @@ def test_big_minibatches_compile_without_ynnpack_and_run_batch_uses_the_same_opt
     monkeypatch.setattr(P, "cpu_has_avx512", lambda: False)
     assert "xla_cpu_experimental_ynn_fusion_type" not in P.xla_options(tiny_config())
     key = P.seed_keys(config)[0]
-    train = jit_train(config)
+    train = TrainPrograms(config)
     start = train.init(key, config.hparams)
     assert "__ynn_fusion" not in train.updates.lower(start, config.hparams).compile().as_text()  # YNNPACK's calls' kind
     state, metrics = train(key, config.hparams)
@@ -1353,7 +1350,7 @@ def test_sweep_points_equal_single_runs_and_chunks_equal_one_batch():
     hparams = P.stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
     whole = P.run_batch(config, keys, hparams)
     chunked = P.run_batch(config, keys, hparams, chunk_size=3)  # 3 chunks of 3 for 8 agents, padded
-    train = jit_train(config)
+    train = TrainPrograms(config)
     for p, point_hparams in enumerate(sweep.hparams(config)):
         for s, key in enumerate(P.seed_keys(config)):
             _, single = train(key, point_hparams)
