@@ -35,9 +35,11 @@ import argparse
 import concurrent.futures
 import csv
 import dataclasses
+import contextlib
 import datetime
 import difflib
 import functools
+import gc
 import io
 import json
 import math
@@ -1734,6 +1736,21 @@ def init_xla_options() -> dict[str, Any] | None:
     return {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off inside the block (speed: tracing a program allocates
+    many short-lived objects, and the collector's passes over them took ~13 % of lowering the
+    classic config's update program: 0.74-0.77 -> 0.64-0.69 s). What the block leaves is collected
+    as usual afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 SHARD_SAMPLES = 512  # --env-devices auto: each device keeps at least this many samples of a minibatch
 
 
@@ -1844,10 +1861,10 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     group_hparams = [jax.tree.map(lambda x, v: put(slice_of(x, v, i), batched if v else replicated), hparams, varies)
                      for i in range(num_groups)]
     timer = time.perf_counter()
-    lowered_init = init_batch.lower(group_keys[0], group_hparams[0])
     # Compile time: XLA compiles the init program on a second thread while this one lowers the chunk
     # program (Python, one core). Measured here: ~1 s less of a ~7.5 s cold compile on 2 cores.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with collector_paused(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        lowered_init = init_batch.lower(group_keys[0], group_hparams[0])
         init_compiled = pool.submit(lowered_init.compile, init_xla_options())
         lowered_advance = advance_batch.lower(lowered_init.out_info, group_hparams[0],
                                               put(np.int32(length), replicated))
