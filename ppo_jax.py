@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import csv
 import dataclasses
-import contextlib
 import datetime
 import difflib
 import functools

@@ -904,7 +904,7 @@ def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
 
 def test_a_run_in_chunks_equals_one_program():
     """run_batch runs init, then chunks of --checkpoint-every updates (the last one shorter, its extra
-    updates skipped by lax.cond): bit-identical to make_train's one scan over all updates."""
+    updates skipped by lax.cond): bit-identical to init and one scan over all updates (TrainPrograms)."""
     config = tiny_config(total_timesteps=4 * 32 * 7, hparams=P.HParams(norm_obs=True, scale_reward=True))
     state, metrics = TrainPrograms(config)(P.seed_keys(config)[0], config.hparams)
     for every in (3, 7):  # chunks 3 + 3 + 1 (of a 3-update program), and one chunk
