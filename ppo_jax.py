@@ -1778,6 +1778,11 @@ def batch_devices(config: Config, agents: int) -> tuple[list, int]:
     return jax.devices()[:agents * shards], shards
 
 
+def agents_at_once(agents: int, chunk_size: int) -> int:
+    """How many of a batch's agents run_batch runs together: all, or groups of chunk_size (--sweep-chunk)."""
+    return min(chunk_size or agents, agents)
+
+
 def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_chunk=None, timed_runs: int = 0,
               start: Checkpoint | None = None) -> RunResult:
     """Train a batch of agents of one static config: keys [B, 2] and HParams leaves [B] are vmapped
@@ -1797,7 +1802,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     timed_runs more times after the first (a warm-up), and run_seconds is the median of those."""
     keys = np.asarray(keys)
     size = keys.shape[0]
-    group = min(chunk_size or size, size)
+    group = agents_at_once(size, chunk_size)
     devices, shards = batch_devices(config, group)
     num_devices = len(devices)
     group = -(-group // (num_devices // shards)) * (num_devices // shards)  # a multiple of the devices' rows
@@ -2958,7 +2963,7 @@ def main(argv: Sequence[str] | None = None):
         run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}") if writer else None
         agents = len(sweep.points) * sum(c.num_seeds for c in sweep.configs)
         groups = [(c, len(sweep.points) * c.num_seeds) for c in sweep.configs]  # run_batch's, per static setting
-        layouts = [batch_devices(c, min(config.sweep_chunk or group, group)) for c, group in groups]
+        layouts = [batch_devices(c, agents_at_once(group, config.sweep_chunk)) for c, group in groups]
         print(f"ppo_jax sweep {sweep.name!r}: {len(sweep.configs)} static setting(s) x {len(sweep.points)} point(s) "
               f"x seeds = {agents} agents, sharded over {max(len(d) for d, _ in layouts)} "
               f"{jax.devices()[0].platform} device(s)"
@@ -2976,7 +2981,7 @@ def main(argv: Sequence[str] | None = None):
             write_config(run_dir, config)
     else:
         run_dir = config.resume if writer else None
-    devices, shards = batch_devices(config, min(config.sweep_chunk or config.num_seeds, config.num_seeds))
+    devices, shards = batch_devices(config, agents_at_once(config.num_seeds, config.sweep_chunk))
     print(f"ppo_jax: {config.env}, {config.num_seeds} seed(s) x {config.num_updates} updates x "
           f"{config.batch_size} steps ({config.num_envs} envs x {config.num_steps}) on {len(devices)} "
           f"{devices[0].platform} device(s)" + (f", each seed's envs over {shards}" if shards > 1 else "")
