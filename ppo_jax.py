@@ -537,12 +537,16 @@ class VecEnv:
         """The env's time limit in steps (`default` for an env without one)."""
         return int(getattr(self.env_params, "max_steps_in_episode", default))
 
-    def draw_resets(self, key, num_steps: int):
-        """Fresh starts for every env at each of num_steps steps, in one vectorised call:
-        (flat obs [num_steps, N, obs_dim], gymnax states [num_steps, N]); with lazy resets (Brax),
-        only their keys [num_steps, N]."""
-        keys = self.own(jax.random.split(key, (num_steps, self.num_envs * self.shards)))
+    def resets(self, keys):
+        """Fresh starts for every env at each of num_steps steps, from keys [num_steps, all envs] (all:
+        num_envs x shards), in one vectorised call: (flat obs [num_steps, N, obs_dim], gymnax states
+        [num_steps, N]); with lazy resets (Brax), only their keys [num_steps, N]."""
+        keys = self.own(keys)
         return keys if self.lazy_resets else self._reset(keys)
+
+    def draw_resets(self, key, num_steps: int):
+        """resets() from keys split from `key`."""
+        return self.resets(jax.random.split(key, (num_steps, self.num_envs * self.shards)))
 
     def step(self, keys, state: EnvState, action, resets):
         """keys: [N] keys for the env's own randomness; action: [N] int32 (discrete) or
@@ -592,9 +596,31 @@ class VecEnv:
 # ================================================================================================
 # Closed-form distributions instead of distrax: distrax pulls in tfp-nightly and warns at import on
 # this jax, and each of these is a few lines that the tests check against scipy. Sampling is split
-# into noise(key, shape) and sample_from(noise) so that a rollout draws all its noise in one call.
+# into noise(bits) and sample_from(noise) so that a rollout draws all its noise in one call, from
+# random bits drawn together with the rest of its randomness (draw_bits).
 
 LOG_2PI = math.log(2.0 * math.pi)
+
+
+def draw_bits(key, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
+    """uint32 random bits of each shape, from one call of the PRNG (threefry). A part with a raw key's
+    shape (key.shape) is a fresh key, as jax.random.split's are.
+
+    Written for compile time: on CPU each jax.random call compiles to its own loop of ~9 kernels, and
+    a kernel costs ~7 ms of XLA compile here; an update's randomness drawn in two calls instead of six
+    took the classic config's update program from 362 to 335 kernels and its XLA compile 2.85 ->
+    2.59-2.69 s (README, Speed)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = jax.random.bits(key, (sum(sizes),), jnp.uint32)
+    parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist())
+    return [part.reshape(shape) for part, shape in zip(parts, shapes)]
+
+
+def uniform_from_bits(bits, low: float = 0.0):
+    """float32 uniform on [low, 1) from uint32 bits (low < 1), exactly as jax.random.uniform makes it
+    from the same bits (its 23 high bits as the mantissa of a float in [1, 2))."""
+    floats = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    return jnp.maximum(jnp.float32(low), floats * jnp.float32(1.0 - low) + jnp.float32(low))
 
 
 @struct.dataclass
@@ -602,14 +628,14 @@ class Categorical:
     logits: jax.Array  # [..., num_actions]
 
     @staticmethod
-    def noise(key, shape):  # shape: that of the logits
-        return jax.random.gumbel(key, shape)
+    def noise(bits):  # uint32 [*logits' shape] -> standard Gumbel noise, as jax.random.gumbel from the same bits
+        return -jnp.log(-jnp.log(uniform_from_bits(bits, float(jnp.finfo(jnp.float32).tiny))))
 
     def sample_from(self, noise):  # the Gumbel-max trick: argmax(logits + Gumbel noise)
         return jnp.argmax(self.logits + noise, axis=-1).astype(jnp.int32)
 
     def sample(self, key):
-        return self.sample_from(self.noise(key, self.logits.shape))
+        return self.sample_from(self.noise(jax.random.bits(key, self.logits.shape, jnp.uint32)))
 
     def mode(self):
         return jnp.argmax(self.logits, axis=-1).astype(jnp.int32)
@@ -634,14 +660,15 @@ class DiagGaussian:
     log_std: jax.Array  # [..., action_dim] (state-independent, broadcast to the batch by the network)
 
     @staticmethod
-    def noise(key, shape):  # shape: that of the mean
-        return jax.random.normal(key, shape)
+    def noise(bits):  # uint32 [*mean's shape] -> standard normal noise, as jax.random.normal from the same bits
+        low = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
+        return jnp.float32(math.sqrt(2.0)) * jax.lax.erf_inv(uniform_from_bits(bits, low))
 
     def sample_from(self, noise):
         return self.mean + jnp.exp(self.log_std) * noise
 
     def sample(self, key):
-        return self.sample_from(self.noise(key, self.mean.shape))
+        return self.sample_from(self.noise(jax.random.bits(key, self.mean.shape, jnp.uint32)))
 
     def mode(self):
         return self.mean
@@ -1074,12 +1101,14 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
     With sharded envs (VecEnv.shards > 1) it runs on each device's envs, with the randomness of
     an unsharded run, and the statistics are updated from every device's rollout.
     """
-    key, noise_key, step_key, reset_key = jax.random.split(state.key, 4)
     distribution = Categorical if env.discrete else DiagGaussian
-    all_envs = env.num_envs * env.shards
-    noise = env.own(distribution.noise(noise_key, (num_steps, all_envs, env.action_dim)))
-    step_keys = env.own(jax.random.split(step_key, (num_steps, all_envs)))
-    resets = env.draw_resets(reset_key, num_steps)
+    all_envs, key_shape = env.num_envs * env.shards, state.key.shape
+    key, noise_bits, step_keys, reset_keys = draw_bits(state.key, [  # one PRNG call (compile time: draw_bits)
+        key_shape, (num_steps, all_envs, env.action_dim), (num_steps, all_envs, *key_shape),
+        (num_steps, all_envs, *key_shape)])
+    noise = env.own(distribution.noise(noise_bits))
+    step_keys = env.own(step_keys)
+    resets = env.resets(reset_keys)
 
     def step(carry, inputs):
         env_state, raw_obs, hidden, running_return = carry
@@ -1208,9 +1237,20 @@ def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_co
     return (flat_params, opt_state, stopped), diagnostics
 
 
-def random_orders(key, rows: int, n: int):
+def index_bits(n: int) -> int:
+    """The low bits of random_orders' sort keys that hold an index in range(n) (n <= 2^31: int32 indices)."""
+    return max(1, (n - 1).bit_length())
+
+
+def order_bits_shape(rows: int, n: int) -> tuple[int, int]:
+    """The shape of the uint32 random bits that random_orders takes for `rows` permutations of range(n):
+    one row per sort round, ceil(32 / random bits per key) rounds for the first row, one more per row."""
+    return rows + -(-32 // (32 - index_bits(n))) - 1, n
+
+
+def random_orders(bits, rows: int):
     """[rows, n] int32, each row a uniformly random permutation of range(n), by sorting random keys,
-    the rows independent.
+    the rows independent; bits: uint32 random bits of order_bits_shape(rows, n).
 
     Written for speed: on CPU, XLA sorts one uint32 array ~4.5x faster than it argsorts (key, index)
     pairs (65k samples: ~11 against ~48 ms), so each key carries its index in its low bits, and one
@@ -1221,10 +1261,9 @@ def random_orders(key, rows: int, n: int):
     them (512 envs: 5 sorts of 65536 keys per update instead of 8, -4 to -5 % per update): given
     the shared rounds, the rows are independent first rounds, each composed with the same fixed
     permutation, which keeps them uniform and independent."""
-    index_bits = max(1, (n - 1).bit_length())  # n <= 2^31: int32 indices
-    low = jnp.uint32((1 << index_bits) - 1)
-    rounds = -(-32 // (32 - index_bits))
-    keys = (jax.random.bits(key, (rows + rounds - 1, n), jnp.uint32) & ~low) | jnp.arange(n, dtype=jnp.uint32)
+    n = bits.shape[-1]
+    low = jnp.uint32((1 << index_bits(n)) - 1)
+    keys = (bits & ~low) | jnp.arange(n, dtype=jnp.uint32)
     positions = (jnp.sort(keys, axis=-1) & low).astype(jnp.int32)  # [rows + rounds - 1, n]
     order = positions[:rows]  # the first round: one per row
     for position in positions[rows:]:  # each later round shuffles the positions of every row alike
@@ -1315,9 +1354,9 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
 
     # Speed: every epoch's shuffle drawn in one vectorised call, and the gradient steps on one flat
     # parameter vector, so that clipping and Adam are a few fused ops instead of a few per leaf.
-    key, epoch_key = jax.random.split(state.key)
     shuffled = config.num_envs if recurrent else config.batch_size  # whole env sequences, or samples
-    permutations = random_orders(epoch_key, config.update_epochs, shuffled)
+    key, order_bits = draw_bits(state.key, [state.key.shape, order_bits_shape(config.update_epochs, shuffled)])
+    permutations = random_orders(order_bits, config.update_epochs)
     flat_params, unravel = ravel_pytree(state.params)
     lr = learning_rate(hparams, state.update, config.num_updates)
     step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, hparams=hparams, lr=lr,

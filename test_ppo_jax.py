@@ -304,11 +304,16 @@ def test_ratio_is_exactly_one_on_first_minibatch():
     np.testing.assert_array_equal(ratio, 1.0)
 
 
+def random_orders(key, rows: int, n: int):
+    """P.random_orders from bits drawn with `key`, as update_step draws them."""
+    return P.random_orders(jax.random.bits(key, P.order_bits_shape(rows, n), jnp.uint32), rows)
+
+
 @pytest.mark.parametrize("n", [1, 2, 5, 512, 1025, 65539])
 def test_random_orders_are_permutations(n):
     """Every row is a permutation of range(n): one round (n = 2: 31 random bits per key), two
     (512, 1025), three (65539: 17 index bits, 15 random), and rows differ."""
-    orders = np.asarray(P.random_orders(jax.random.PRNGKey(n), 3, n))
+    orders = np.asarray(random_orders(jax.random.PRNGKey(n), 3, n))
     assert orders.shape == (3, n) and orders.dtype == np.int32
     np.testing.assert_array_equal(np.sort(orders, axis=1), np.broadcast_to(np.arange(n), (3, n)))
     if n > 2:
@@ -319,13 +324,13 @@ def test_random_orders_are_uniform():
     """Chi-square against the uniform distribution: each of the 24 orders of 4 elements; and for
     1025 elements (two composed sorts) where element 0 lands and which element comes first, in 16
     equal bins, and how often element 1 precedes element 2 (a tie kept in order would favour 1)."""
-    small = np.asarray(P.random_orders(jax.random.PRNGKey(0), 48_000, 4))
+    small = np.asarray(random_orders(jax.random.PRNGKey(0), 48_000, 4))
     codes = small @ np.array([64, 16, 4, 1])
     counts = np.bincount(np.unique(codes, return_inverse=True)[1])
     assert len(counts) == 24
     assert scipy.stats.chisquare(counts).pvalue > 1e-3, counts
     n, rows = 1025, 4096
-    big = np.asarray(P.random_orders(jax.random.PRNGKey(1), rows, n))
+    big = np.asarray(random_orders(jax.random.PRNGKey(1), rows, n))
     where_zero = np.argmax(big == 0, axis=1)
     for values in (where_zero, big[:, 0]):
         bins = np.bincount(values * 16 // n, minlength=16)  # bin b: values in [b n / 16, (b + 1) n / 16)
@@ -335,12 +340,37 @@ def test_random_orders_are_uniform():
     assert abs(one_first - 0.5) < 4 * 0.5 / np.sqrt(rows), one_first
 
 
+def test_noise_from_bits_equals_jax_samplers():
+    """The rollout's action noise, made from random bits, is jax.random's Gumbel and normal noise
+    from the same key, bit for bit (the same bits, the same formulas), so its distribution is theirs."""
+    key = jax.random.PRNGKey(3)
+    bits = jax.random.bits(key, (2000, 3), jnp.uint32)
+    np.testing.assert_array_equal(P.Categorical.noise(bits), jax.random.gumbel(key, (2000, 3)))
+    np.testing.assert_array_equal(P.DiagGaussian.noise(bits), jax.random.normal(key, (2000, 3)))
+    extremes = jnp.array([0, 1 << 9, 0xFFFFFFFF], jnp.uint32)  # the smallest, next and largest uniforms
+    np.testing.assert_array_equal(P.uniform_from_bits(extremes), [0.0, 2.0**-23, 1.0 - 2.0**-23])
+    assert np.all(np.isfinite(P.Categorical.noise(extremes))) and np.all(np.isfinite(P.DiagGaussian.noise(extremes)))
+
+
+def test_draw_bits_parts_are_one_draw_in_order():
+    """draw_bits' parts are consecutive pieces of one PRNG draw, in the shapes asked for; a part of
+    a key's shape is a usable key, and no two parts repeat."""
+    key = jax.random.PRNGKey(7)
+    shapes = [(2,), (5, 3), (4, 2), (2,)]
+    parts = P.draw_bits(key, shapes)
+    assert [p.shape for p in parts] == shapes and all(p.dtype == jnp.uint32 for p in parts)
+    flat = np.asarray(jax.random.bits(key, (2 + 15 + 8 + 2,), jnp.uint32))
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p).ravel() for p in parts]), flat)
+    assert len(np.unique(flat)) == len(flat)
+    assert jax.random.uniform(parts[0], (3,)).shape == (3,)
+
+
 def test_random_orders_rows_are_independent():
     """The rows of one call share the composed rounds after the first (4096 elements: two rounds);
     their first rounds are independent, so where element 0 lands (which quarter) in row 0 and in
     row 1 are independent: chi-square on the 4 x 4 table over 4000 calls."""
     n = 4096
-    orders = np.asarray(jax.jit(jax.vmap(lambda k: P.random_orders(k, 2, n)))(jax.random.split(jax.random.PRNGKey(5), 4000)))
+    orders = np.asarray(jax.jit(jax.vmap(lambda k: random_orders(k, 2, n)))(jax.random.split(jax.random.PRNGKey(5), 4000)))
     quarter = np.argmax(orders == 0, axis=2) * 4 // n  # [calls, 2]
     table = np.zeros((4, 4))
     np.add.at(table, (quarter[:, 0], quarter[:, 1]), 1)
