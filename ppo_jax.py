@@ -608,8 +608,8 @@ def draw_bits(key, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
 
     Written for compile time: on CPU each jax.random call compiles to its own loop of ~9 kernels, and
     a kernel costs ~7 ms of XLA compile here; an update's randomness drawn in two calls instead of six
-    took the classic config's update program from 362 to 335 kernels and its XLA compile 2.85 ->
-    2.59-2.69 s (README, Speed)."""
+    took the classic config's update program from 362 to 335 kernels and its XLA compile 2.82-2.89 ->
+    2.61-2.76 s (README, Speed)."""
     sizes = [math.prod(shape) for shape in shapes]
     flat = jax.random.bits(key, (sum(sizes),), jnp.uint32)
     parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist())
@@ -775,7 +775,7 @@ class Dense(nn.Module):
         if self.is_initializing():
             kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
             bias = self.param("bias", nn.initializers.zeros, (self.features,))
-        else:  # compile time: flax's param() would trace the initializer again, to check the shape (below)
+        else:  # compile time: flax's param() would trace the initializer again, to check the shape
             kernel, bias = self.get_variable("params", "kernel"), self.get_variable("params", "bias")
         if not self.grad_chunk:  # JAX's own gradient of the matmul, as nn.Dense's (accelerators)
             return x @ kernel + bias
