@@ -481,7 +481,7 @@ class VecEnv:
     gymnax's own `step` draws a reset state at every step (and throws it away unless the episode
     ended): two threefry hashes per step, each a 5-iteration loop of small ops on CPU, which were
     most of a CartPole step's cost. So VecEnv does the reset itself, from `resets` that a rollout
-    draws for all its steps in one vectorised call (`draw_resets`). Same semantics: where an episode
+    draws for all its steps in one vectorised call (`resets`). Same semantics: where an episode
     ends, the next observation is a fresh start and `info["final_observation"]` the one before it.
     An env that overrides gymnax's `step` (bsuite's DeepSea keeps metrics across resets) is stepped
     through its own `step` instead. A Brax env's reset builds a physics state, too costly to draw for
@@ -550,7 +550,7 @@ class VecEnv:
 
     def step(self, keys, state: EnvState, action, resets):
         """keys: [N] keys for the env's own randomness; action: [N] int32 (discrete) or
-        [N, action_dim] float32 (continuous, unclipped); resets: one step of draw_resets, the
+        [N, action_dim] float32 (continuous, unclipped); resets: one step of resets(), the
         states envs whose episode ends now continue from."""
         if not self.discrete:
             action = jnp.clip(action.reshape(self.num_envs, *self.action_shape), self.action_low, self.action_high)
