@@ -40,6 +40,7 @@ import datetime
 import difflib
 import functools
 import gc
+import importlib
 import io
 import json
 import math
@@ -49,6 +50,7 @@ import sys
 import threading
 import time
 import tomllib
+import types
 import warnings
 from typing import Annotated, Any, Literal, Sequence
 
@@ -73,9 +75,10 @@ def usable_cores() -> int:
 # over the cores like over GPUs: each device runs its share of the agents as its own program, side by
 # side. Speed, 2-core Xeon: 8 stacked CartPole agents 211k -> 443-453k env steps/s, 64 agents 206k ->
 # 372k. Where agents are fewer than devices, each agent's envs are sharded over several (run_batch,
-# --env-devices); a small config stays on one device, where XLA still spreads its kernels over every
-# core. Like the async-dispatch switch above, it must be set before the CPU backend starts (imported
-# after JAX has run something, ppo_jax keeps the devices there are).
+# --env-devices); a small config stays on one device, whose bigger kernels (dots) XLA still runs on
+# every core (its small ones one after the other: README, Speed). Like the async-dispatch switch
+# above, it must be set before the CPU backend starts (imported after JAX has run something, ppo_jax
+# keeps the devices there are).
 if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
         "XLA_FLAGS", ""):
     try:
@@ -83,10 +86,40 @@ if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_c
     except RuntimeError:  # the backends are already up
         pass
 
+
+class DeferredModule(types.ModuleType):
+    """Stands in for a module (in sys.modules, while imports_deferred's block runs) and imports the
+    real one when an attribute of it is first asked for."""
+
+    def __getattr__(self, attr):
+        if sys.modules.get(self.__name__) is self:
+            del sys.modules[self.__name__]
+        return getattr(importlib.import_module(self.__name__), attr)
+
+
+@contextlib.contextmanager
+def imports_deferred(*names: str):
+    """Inside the block, `import name` gives a DeferredModule: the real module is imported only if
+    used. After it, the names import as usual. Speed: gymnax's package imports every env, and its
+    Pong imports seaborn (for rendering), which imports scipy.stats and pandas: ~0.9 of the ~2.3 s
+    that importing ppo_jax took (python -X importtime). Nothing in ppo_jax renders with it."""
+    stubs = [name for name in names if name not in sys.modules]
+    for name in stubs:
+        sys.modules[name] = DeferredModule(name)
+    try:
+        yield
+    finally:
+        for name in stubs:
+            if isinstance(sys.modules.get(name), DeferredModule):
+                del sys.modules[name]
+
+
+with imports_deferred("seaborn"):
+    import gymnax  # noqa: E402
+
 import flax  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import flax.traverse_util  # noqa: E402
-import gymnax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
