@@ -1431,10 +1431,9 @@ def test_one_cpu_device_per_core():
     assert done.returncode == 0 and done.stdout.split()[-1] == "True", done.stderr[-2000:]
 
 
-
 def test_seaborn_is_imported_only_when_gymnax_renders_with_it():
     """Importing ppo_jax does not import seaborn (gymnax's Pong imports it for rendering); the
-    stand-in Pong holds imports it on first use and gives what seaborn gives; after ppo_jax's
+    stand-in that Pong holds imports it on first use and gives what seaborn gives; after ppo_jax's
     import, `import seaborn` is the real module."""
     script = ("import sys; import ppo_jax; loaded = 'seaborn' in sys.modules; "
               "import gymnax.environments.misc.pong as pong; palette = pong.sns.color_palette('cubehelix', 3); "
@@ -1444,6 +1443,7 @@ def test_seaborn_is_imported_only_when_gymnax_renders_with_it():
                           cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-4:] == ["False", "True", "True", "True"], done.stdout
+
 
 def test_sweep_sharded_over_eight_devices_equals_one_device(tmp_path):
     out = tmp_path / "sharded.npz"
