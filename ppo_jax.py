@@ -1130,7 +1130,8 @@ def over_shards(collective, tree, shards: int):
 
 def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams):
     """A lax.scan over num_steps of (policy forward, sample, vmapped env step), then the reward
-    processing of the whole rollout at once -> (state, [T, N] Transition).
+    processing of the whole rollout at once -> (state, [T, N] Transition): step_envs, then
+    process_rollout.
 
     Written for speed: what needs no step-by-step order is out of the scan. The rollout's env keys,
     action noise and reset states are drawn up front in vectorised calls; the observation and reward
@@ -1142,6 +1143,13 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
     With sharded envs (VecEnv.shards > 1) it runs on each device's envs, with the randomness of
     an unsharded run, and the statistics are updated from every device's rollout.
     """
+    state, raw = step_envs(state, env, network, num_steps, hparams)
+    return process_rollout(state, raw, env, network, hparams)
+
+
+def step_envs(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams):
+    """The rollout's lax.scan -> (state, [T, N] Transition as the envs gave it: raw observations,
+    final observations and rewards; no log_prob or ref_kl yet)."""
     distribution = Categorical if env.discrete else DiagGaussian
     all_envs, key_shape = env.num_envs * env.shards, state.key.shape
     key, noise_bits, step_keys, reset_keys = draw_bits(state.key, [  # one PRNG call (compile time: draw_bits)
@@ -1182,7 +1190,13 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
 
     carry = (state.env_state, state.obs, state.hidden, state.discounted_return)
     (env_state, next_obs, hidden, running_return), traj = jax.lax.scan(step, carry, (noise, step_keys, resets))
+    return state.replace(env_state=env_state, obs=next_obs, hidden=hidden, discounted_return=running_return,
+                         key=key), traj
 
+
+def process_rollout(state: TrainState, traj: Transition, env: VecEnv, network: ActorCritic, hparams: HParams):
+    """step_envs' raw rollout -> (state, the Transition the update trains on): observations
+    normalised, log-probabilities, rewards processed; the statistics updated from the rollout."""
     raw_obs = traj.obs
     log_prob = traj.dist.log_prob(traj.action)
 
@@ -1207,8 +1221,7 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
         ref_kl=ref_kl,
     )
     obs_stats = state.obs_stats.update(gather_envs(raw_obs, env.shards).reshape(-1, env.obs_dim))
-    state = state.replace(env_state=env_state, obs=next_obs, hidden=hidden, obs_stats=obs_stats,
-                          reward_stats=reward_stats, discounted_return=running_return, ref_hidden=ref_hidden, key=key)
+    state = state.replace(obs_stats=obs_stats, reward_stats=reward_stats, ref_hidden=ref_hidden)
     return state, traj
 
 
@@ -1312,6 +1325,12 @@ def random_orders(bits, rows: int):
     return order
 
 
+def minibatch_orders(key, epochs: int, n: int):
+    """(the next key, [epochs, n] int32): each epoch's random order of the n samples (or env sequences)."""
+    key, order_bits = draw_bits(key, [key.shape, order_bits_shape(epochs, n)])
+    return key, random_orders(order_bits, epochs)
+
+
 def shuffle_into_minibatches(permutation, batch: Batch, num_minibatches: int) -> Batch:
     """[B, ...] -> [M, B/M, ...] in the order of `permutation` (sampling without replacement)."""
     return jax.tree.map(lambda x: jnp.take(x, permutation, axis=0).reshape(num_minibatches, -1, *x.shape[1:]), batch)
@@ -1396,8 +1415,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     # Speed: every epoch's shuffle drawn in one vectorised call, and the gradient steps on one flat
     # parameter vector, so that clipping and Adam are a few fused ops instead of a few per leaf.
     shuffled = config.num_envs if recurrent else config.batch_size  # whole env sequences, or samples
-    key, order_bits = draw_bits(state.key, [state.key.shape, order_bits_shape(config.update_epochs, shuffled)])
-    permutations = random_orders(order_bits, config.update_epochs)
+    key, permutations = minibatch_orders(state.key, config.update_epochs, shuffled)
     flat_params, unravel = ravel_pytree(state.params)
     lr = learning_rate(hparams, state.update, config.num_updates)
     step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, hparams=hparams, lr=lr,

@@ -431,6 +431,316 @@ def test_hparams_are_traced_not_compiled_in():
 
 
 # ------------------------------------------------------------------------------------------------
+# One whole PPO update against an independent reference
+# ------------------------------------------------------------------------------------------------
+# reference_update is written from the PPO paper and the README's definitions, in float64, and calls
+# nothing of ppo_jax: its own MLP, distributions, reward processing, GAE, minibatches, clipped
+# losses, global-norm clipping and Adam (jax only as float64 numpy with autodiff). It takes what
+# update_step's rollout recorded (step_envs: raw observations, actions, raw rewards, terminations,
+# truncations, final observations), the state before the update and the epochs' sample orders.
+
+
+def reference_network(params, obs, discrete: bool):
+    """The actor-critic MLP (separate tanh trunks, linear heads) from its parameter dict: obs [B, D]
+    -> (policy output [B, A]: logits or Gaussian means, log_std [A] (None if discrete), values [B])."""
+    p = params["params"]
+
+    def mlp(x, name, head):
+        layer = 0
+        while f"{name}_{layer}" in p:
+            x = jnp.tanh(x @ p[f"{name}_{layer}"]["kernel"] + p[f"{name}_{layer}"]["bias"])
+            layer += 1
+        return x @ p[head]["kernel"] + p[head]["bias"]
+
+    return mlp(obs, "actor", "policy_head"), p.get("log_std"), mlp(obs, "critic", "value_head")[:, 0]
+
+
+def reference_log_prob_and_entropy(out, log_std, actions, discrete: bool):
+    if discrete:
+        log_p = out - jax.scipy.special.logsumexp(out, axis=-1, keepdims=True)
+        return log_p[jnp.arange(len(actions)), actions], -jnp.sum(jnp.exp(log_p) * log_p, -1)
+    z = (actions - out) / jnp.exp(log_std)
+    log_2pi = math.log(2 * math.pi)
+    entropy = jnp.sum(log_std + 0.5 + 0.5 * log_2pi)  # the same in every state: log_std is a parameter
+    return jnp.sum(-0.5 * z**2 - log_std - 0.5 * log_2pi, -1), jnp.broadcast_to(entropy, (len(actions),))
+
+
+def reference_kl(out_p, log_std_p, out_q, log_std_q, discrete: bool):
+    """KL[p || q] per sample: sum_a p log(p/q); for Gaussians, the closed form per dimension, summed."""
+    if discrete:
+        log_p = out_p - jax.scipy.special.logsumexp(out_p, -1, keepdims=True)
+        log_q = out_q - jax.scipy.special.logsumexp(out_q, -1, keepdims=True)
+        return jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1)
+    var_p, var_q = jnp.exp(2 * log_std_p), jnp.exp(2 * log_std_q)
+    return jnp.sum(log_std_q - log_std_p + (var_p + (out_p - out_q) ** 2) / (2 * var_q) - 0.5, -1)
+
+
+def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
+    """One PPO update, float64 -> dict(params, mu, nu, count (Adam's), kl_coef (the next update's),
+    reward_var, metrics, steps: each minibatch step's diagnostics, in order)."""
+    T, N = np.shape(raw.reward)
+    B, M = T * N, config.num_minibatches
+    h = jax.tree.map(lambda x: x.item() if hasattr(x, "item") else x, h)  # Python numbers
+    with jax.enable_x64(True):
+        f64 = lambda tree: jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), tree)  # noqa: E731
+        flat = lambda x: np.asarray(x).reshape(B, *np.shape(x)[2:])  # noqa: E731  [T, N, ...] -> [B, ...] (t-major)
+        params = f64(state.params)
+        discrete = "log_std" not in params["params"]
+        actions = jnp.asarray(flat(raw.action)) if discrete else f64(flat(raw.action))
+
+        def normalise(x, stats):  # --norm-obs, with the statistics of the rollout's start
+            if not h.norm_obs:
+                return x
+            mean, var = np.asarray(stats.mean, np.float64), np.asarray(stats.var, np.float64)
+            return jnp.clip((x - mean) / np.sqrt(var + 1e-8), -h.clip_obs, h.clip_obs)
+
+        raw_obs = f64(flat(raw.obs))
+        obs, final_obs = normalise(raw_obs, state.obs_stats), normalise(f64(flat(raw.final_obs)), state.obs_stats)
+        old_out, old_log_std, old_values = reference_network(params, obs, discrete)
+        old_log_probs, _ = reference_log_prob_and_entropy(old_out, old_log_std, actions, discrete)
+        next_values = np.asarray(reference_network(params, final_obs, discrete)[2]).reshape(T, N)
+        values = np.asarray(old_values).reshape(T, N)
+
+        # Rewards: divided by the std of the per-env discounted return (its statistics merged with this
+        # rollout's returns), clipped, then minus the KL leash's c (log pi(a|s) - log pi_ref(a|s)).
+        rewards, done, terminated = (np.asarray(x) for x in (raw.reward, raw.done, raw.terminated))
+        rewards = rewards.astype(np.float64)
+        returns, running = np.zeros((T, N)), np.asarray(state.discounted_return, np.float64)
+        for t in range(T):
+            running = running * h.gamma + rewards[t]
+            returns[t] = running
+            running = np.where(done[t], 0.0, running)
+        n_old, n_new = float(state.reward_stats.count), returns.size
+        mean_old, var_old = float(state.reward_stats.mean), float(state.reward_stats.var)
+        total = n_old + n_new
+        reward_var = (var_old * n_old + returns.var() * n_new
+                      + (returns.mean() - mean_old) ** 2 * n_old * n_new / total) / total
+        if h.scale_reward:
+            rewards = rewards / np.sqrt(reward_var + 1e-8)
+        rewards = np.clip(rewards, -h.clip_reward, h.clip_reward)
+        ref_kl = np.nan
+        if h.ref_kl_coef > 0:
+            reference = f64(state.reference.params)
+            ref_out, ref_log_std, _ = reference_network(reference, normalise(raw_obs, state.reference.obs_stats),
+                                                        discrete)
+            ref_log_probs, _ = reference_log_prob_and_entropy(ref_out, ref_log_std, actions, discrete)
+            rewards = rewards - h.ref_kl_coef * np.asarray(old_log_probs - ref_log_probs).reshape(T, N)
+            ref_kl = float(reference_kl(old_out, old_log_std, ref_out, ref_log_std, discrete).mean())
+
+        # GAE, one env and one step at a time: a termination cuts the bootstrap, a truncation
+        # bootstraps from the final observation's value (or is a termination, without
+        # --bootstrap-truncation); either ends the sum.
+        cut = terminated if h.bootstrap_truncation else done
+        advantages = np.zeros((T, N))
+        for n in range(N):
+            following = 0.0
+            for t in reversed(range(T)):
+                delta = rewards[t, n] + (0.0 if cut[t, n] else h.gamma * next_values[t, n]) - values[t, n]
+                following = delta + (0.0 if done[t, n] else h.gamma * h.gae_lambda * following)
+                advantages[t, n] = following
+        targets, advantages, values = (advantages + values).reshape(B), advantages.reshape(B), values.reshape(B)
+
+        def loss(params, idx, minibatch_advantages, kl_coef):  # PPO paper Eq. 9, with Eq. 8's penalty
+            out, log_std, new_values = reference_network(params, obs[idx], discrete)
+            log_probs, entropy = reference_log_prob_and_entropy(out, log_std, actions[idx], discrete)
+            ratio = jnp.exp(log_probs - old_log_probs[idx])
+            surrogate = ratio * minibatch_advantages
+            if h.clip_eps > 0:
+                clipped_ratio = jnp.clip(ratio, 1 - h.clip_eps, 1 + h.clip_eps)
+                surrogate = jnp.minimum(surrogate, clipped_ratio * minibatch_advantages)
+            squared = (new_values - targets[idx]) ** 2
+            if h.clip_vloss and h.clip_eps > 0:
+                moved = values[idx] + jnp.clip(new_values - values[idx], -h.clip_eps, h.clip_eps)
+                squared = jnp.maximum(squared, (moved - targets[idx]) ** 2)
+            diagnostics = dict(
+                policy_loss=-surrogate.mean(), value_loss=0.5 * squared.mean(), entropy=entropy.mean(),
+                approx_kl=jnp.mean(ratio - 1 - jnp.log(ratio)),
+                clip_frac=jnp.mean(jnp.abs(ratio - 1) > h.clip_eps) if h.clip_eps > 0 else 0.0)
+            kl = reference_kl(old_out[idx], old_log_std, out, log_std, discrete).mean()
+            total = (diagnostics["policy_loss"] + kl_coef * kl + h.vf_coef * diagnostics["value_loss"]
+                     - h.ent_coef * diagnostics["entropy"])
+            return total, diagnostics
+
+        # Adam's moments live on the raveled parameter vector: the leaves in the pytree's order.
+        leaves, treedef = jax.tree.flatten(params)
+        ends = np.cumsum([leaf.size for leaf in leaves])[:-1]
+        _, adam = state.opt_state
+        mu, nu = ([jnp.asarray(part.reshape(leaf.shape), jnp.float64) for part, leaf
+                   in zip(np.split(np.asarray(moment, np.float64), ends), leaves)] for moment in (adam.mu, adam.nu))
+        count, kl_coef = int(adam.count), float(state.kl_coef)
+        lr = h.lr * ((1 - int(state.update) / config.num_updates) if h.anneal_lr else 1.0)
+        stopped, history = False, []
+        for order in np.asarray(orders):
+            for idx in order.reshape(M, -1):
+                minibatch_advantages = advantages[idx]
+                if h.norm_adv:
+                    minibatch_advantages = ((minibatch_advantages - minibatch_advantages.mean())
+                                            / (minibatch_advantages.std() + 1e-8))
+                grads, diagnostics = jax.grad(loss, has_aux=True)(params, idx, minibatch_advantages, kl_coef)
+                grads = jax.tree.leaves(grads)
+                norm = math.sqrt(sum(float(jnp.sum(g**2)) for g in grads))
+                history.append({k: float(v) for k, v in diagnostics.items()} | {"grad_norm": norm})
+                # --target-kl: from the first minibatch whose approx KL exceeds it, every step of the
+                # update (this one included) is skipped.
+                stopped = stopped or (h.target_kl > 0 and history[-1]["approx_kl"] > h.target_kl)
+                if stopped:
+                    continue
+                count += 1
+                new_leaves = []
+                for i, (leaf, g) in enumerate(zip(jax.tree.leaves(params), grads)):
+                    g = g * min(1.0, h.max_grad_norm / norm)  # global-norm clipping
+                    mu[i] = 0.9 * mu[i] + 0.1 * g
+                    nu[i] = 0.999 * nu[i] + 0.001 * g**2
+                    direction = (mu[i] / (1 - 0.9**count)) / (jnp.sqrt(nu[i] / (1 - 0.999**count)) + h.adam_eps)
+                    new_leaves.append(leaf - lr * direction)
+                params = jax.tree.unflatten(treedef, new_leaves)
+
+        new_out, new_log_std, _ = reference_network(params, obs, discrete)
+        kl = float(reference_kl(old_out, old_log_std, new_out, new_log_std, discrete).mean())
+        next_kl_coef = kl_coef
+        if h.kl_target > 0:  # PPO paper Sec. 4
+            next_kl_coef = kl_coef / 2 if kl < h.kl_target / 1.5 else kl_coef * 2 if kl > 1.5 * h.kl_target else kl_coef
+        ended = flat(done)
+        metrics = {name: np.mean([step[name] for step in history]) for name in history[0]} | dict(
+            kl=kl, kl_coef=kl_coef, ref_kl=ref_kl, learning_rate=lr, grad_steps=count - int(adam.count),
+            explained_variance=1 - np.var(targets - values) / np.var(targets),
+            episodes=ended.sum(),
+            episode_return=flat(raw.episode_return)[ended].mean() if ended.any() else np.nan,
+            episode_length=flat(raw.episode_length)[ended].mean() if ended.any() else np.nan,
+            param_norm=math.sqrt(sum(float(jnp.sum(leaf**2)) for leaf in jax.tree.leaves(params))))
+        return dict(params=jax.tree.map(np.asarray, params), mu=np.concatenate([np.ravel(m) for m in mu]),
+                    nu=np.concatenate([np.ravel(v) for v in nu]), count=count, kl_coef=next_kl_coef,
+                    reward_var=reward_var, metrics=metrics, steps=history)
+
+
+class RecordedUpdate:
+    """update_step compiled for one static config (the hparams traced), with what it trains on: the
+    raw rollout (step_envs) and the epochs' sample orders (minibatch_orders), as update_step makes them."""
+
+    def __init__(self, config: P.Config):
+        self.config = config
+        env = P.make_env(config)
+        self.network = network = P.make_network(config, env)
+        self.init = lambda key, hparams: P.init_train_state(key, env, network, P.make_optimizer(hparams), hparams)
+        self.update = jax.jit(lambda state, hparams: P.update_step(state, None, config, env, network, hparams))
+        self.step_envs = jax.jit(lambda state, hparams: P.step_envs(state, env, network, config.num_steps, hparams))
+
+    def __call__(self, state, hparams: P.HParams):
+        """-> (state after the update, its metrics, the raw rollout, the sample orders)."""
+        after_rollout, raw = self.step_envs(state, hparams)
+        _, orders = P.minibatch_orders(after_rollout.key, self.config.update_epochs, self.config.batch_size)
+        after, metrics = self.update(state, hparams)
+        return after, metrics, raw, orders
+
+    def state_before(self, update: int, hparams: P.HParams, key=jax.random.PRNGKey(0)):
+        """The train state after `update` updates with these hparams."""
+        state = self.init(key, hparams)
+        for _ in range(update):
+            state, _ = self.update(state, hparams)
+        return state
+
+
+RECORDED_UPDATES: dict[P.Config, RecordedUpdate] = {}  # one compile per static config, for every case
+
+
+def recorded_update(env: str) -> RecordedUpdate:
+    # CartPole's untrained episodes end in ~20 steps (terminations); Pendulum's time limit of 200
+    # steps truncates inside the third update's rollout (steps 192-287).
+    num_steps = 32 if env == "CartPole-v1" else 96
+    config = tiny_config(env=env, num_steps=num_steps, total_timesteps=4 * num_steps * 4, hidden_sizes=(8, 8))
+    if config not in RECORDED_UPDATES:
+        RECORDED_UPDATES[config] = RecordedUpdate(config)
+    return RECORDED_UPDATES[config]
+
+
+def assert_update_matches(after, metrics, expected, where: str):
+    """update_step's outcome equals the reference's: params, Adam's state, beta, the reward
+    statistics and every metric, to float32 rounding (relative 1e-4 of each value's scale)."""
+    _, adam = after.opt_state
+    for path, ours in jax.tree_util.tree_leaves_with_path(after.params):
+        theirs = expected["params"]
+        for entry in path:
+            theirs = theirs[entry.key]
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5, err_msg=f"{where}: {jax.tree_util.keystr(path)}")
+    np.testing.assert_allclose(adam.mu, expected["mu"], rtol=1e-3, atol=1e-6, err_msg=f"{where}: Adam mu")
+    np.testing.assert_allclose(adam.nu, expected["nu"], rtol=1e-3, atol=1e-9, err_msg=f"{where}: Adam nu")
+    assert int(adam.count) == expected["count"], where
+    np.testing.assert_allclose(after.kl_coef, expected["kl_coef"], rtol=1e-6, err_msg=f"{where}: next beta")
+    np.testing.assert_allclose(after.reward_stats.var, expected["reward_var"], rtol=1e-4, err_msg=f"{where}: reward var")
+    for name, value in expected["metrics"].items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-4, atol=1e-6, err_msg=f"{where}: {name}")
+    assert set(expected["metrics"]) == set(metrics), set(metrics) ^ set(expected["metrics"])
+
+
+REFERENCE_CASES = {  # name: (env, the update's HParams); large steps and a small epsilon, so that clips act
+    "classic": ("CartPole-v1", dict(lr=1e-2, clip_eps=0.05)),
+    "continuous": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, gamma=0.95, ent_coef=0.01)),
+    "norm_obs_scale_reward": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, norm_obs=True, clip_obs=1.5,
+                                                  scale_reward=True, clip_reward=0.3)),
+    "no_bootstrap_no_norm_adv_no_clips": ("Pendulum-v1", dict(bootstrap_truncation=False, norm_adv=False,
+                                                              clip_eps=0.0, clip_vloss=False, max_grad_norm=math.inf,
+                                                              anneal_lr=False, adam_eps=1e-3)),
+    "kl_penalty": ("CartPole-v1", dict(clip_eps=0.0, kl_coef=1.0, kl_target=0.003, lr=3e-3)),
+    "large_fixed_kl_penalty": ("Pendulum-v1", dict(clip_eps=0.0, kl_coef=10.0, lr=3e-2)),
+    "leash": ("CartPole-v1", dict(ref_kl_coef=0.5, norm_obs=True, lr=1e-2, clip_eps=0.05)),
+}
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES)
+def test_an_update_equals_the_independent_reference(case):
+    """update_step (the third update of a run) against reference_update, float64 and written apart:
+    params, Adam's moments and count, the next beta, the reward statistics and every metric."""
+    env, point = REFERENCE_CASES[case]
+    recorded = recorded_update(env)
+    hparams = P.HParams(**point)
+    state = recorded.state_before(2, hparams)
+    if case == "leash":  # a reference policy of its own: other params, other observation statistics
+        other = jax.tree.map(lambda x: 30.0 * x, recorded.network.init(jax.random.PRNGKey(42), state.obs[None]))
+        stats = P.RunningStats(state.obs_stats.mean + 0.3, 2.0 * state.obs_stats.var, state.obs_stats.count)
+        state = state.replace(reference=P.Policy(other, stats))
+    after, metrics, raw, orders = recorded(state, hparams)
+    expected = reference_update(recorded.config, hparams, state, raw, orders)
+    assert_update_matches(after, metrics, expected, case)
+    # The case exercises what it is named for.
+    reached = expected["metrics"]
+    assert reached["grad_steps"] == recorded.config.update_epochs * recorded.config.num_minibatches
+    if hparams.clip_eps > 0:
+        assert reached["clip_frac"] > 0
+    if env == "CartPole-v1":
+        assert np.any(np.asarray(raw.terminated))
+    else:
+        assert np.any(np.asarray(raw.done) & ~np.asarray(raw.terminated))  # a truncation
+    if case == "leash":
+        assert reached["ref_kl"] > 0.01  # far enough from the policy that the penalty matters
+
+
+def test_target_kl_stops_midway_as_the_reference_does():
+    """--target-kl set between the approx KLs of the update's minibatch steps: the update stops at the
+    first step above it and takes no step after, even where a later minibatch's approx KL is below
+    it (the stop is sticky), as the reference does."""
+    recorded = recorded_update("CartPole-v1")
+    hparams = P.HParams(lr=1e-2)
+    state = recorded.state_before(2, hparams)
+    after, metrics, raw, orders = recorded(state, hparams)
+    free = np.array([step["approx_kl"] for step in reference_update(recorded.config, hparams, state, raw,
+                                                                    orders)["steps"]])
+
+    def stopped_at(stop):  # a target that the step `stop` clearly exceeds (float32 against float64) and
+        if not free[stop] > 1.05 * free[:stop].max():  # every earlier step clearly does not, or None
+            return None
+        target = float(np.sqrt(free[stop] * free[:stop].max()))
+        expected = reference_update(recorded.config, hparams.replace(target_kl=target), state, raw, orders)
+        later = np.array([step["approx_kl"] for step in expected["steps"][stop + 1:]])
+        return (target, expected) if np.any(later < 0.95 * target) else None  # a skipped step below it
+
+    # From the third step on (the first's approx KL is 0: the ratio is 1).
+    target, expected = next(found for stop in range(2, len(free) - 1) if (found := stopped_at(stop)))
+    assert 2 <= expected["metrics"]["grad_steps"] < len(free) - 1
+    after, metrics, _, _ = recorded(state, hparams.replace(target_kl=target))
+    assert_update_matches(after, metrics, expected, f"target_kl {target}")
+
+
+# ------------------------------------------------------------------------------------------------
 # Objectives (PPO-Penalty, KL leash, early stop) and implementation-detail switches
 # ------------------------------------------------------------------------------------------------
 
@@ -686,6 +996,34 @@ def test_every_switch_changes_the_first_updates():
                                                             jax.tree.leaves(state_b.params))]
         assert any(differs), f"--{name.replace('_', '-')} changed nothing"
     assert train._cache_size() == 1
+
+
+def test_switches_push_the_way_they_should():
+    """Each switch moves the run in its own direction, against the same run without it (same key):
+    the entropy bonus keeps the policy's entropy higher; the KL leash keeps it closer to the
+    reference; the value clip keeps the critic's predictions nearer the rollout's."""
+    config = tiny_config(total_timesteps=4 * 32 * 12)  # 12 updates, one compile
+    train = TrainPrograms(config)
+    key = jax.random.PRNGKey(0)
+    run = lambda **point: train(key, P.HParams(lr=1e-2, **point))[1]  # noqa: E731
+    late = slice(6, None)  # the last 6 updates
+    free, bonus = run(ent_coef=0.0), run(ent_coef=0.2)
+    assert np.mean(bonus["entropy"][late]) > np.mean(free["entropy"][late]) + 0.01
+    loose, leashed = run(ref_kl_coef=1e-6), run(ref_kl_coef=5.0)
+    assert np.mean(leashed["ref_kl"][late]) < 0.5 * np.mean(loose["ref_kl"][late])
+    assert train._cache_size() == 1
+    # The value clip: how far one update moves the critic's predictions on the rollout's states.
+    recorded = recorded_update("CartPole-v1")
+    moved = []
+    for clip_vloss in (False, True):
+        hparams = P.HParams(lr=1e-2, clip_eps=0.05, clip_vloss=clip_vloss)
+        state = recorded.state_before(2, hparams)
+        after, _, raw, _ = recorded(state, hparams)
+        obs = np.asarray(raw.obs).reshape(-1, raw.obs.shape[-1])
+        before_values = recorded.network.apply(state.params, obs)[2]
+        after_values = recorded.network.apply(after.params, obs)[2]
+        moved.append(float(jnp.mean(jnp.abs(after_values - before_values))))
+    assert moved[1] < 0.5 * moved[0], moved
 
 
 @pytest.mark.parametrize("static", [dict(shared_trunk=True), dict(activation="relu")])
@@ -1599,3 +1937,4 @@ def test_sweep_set_flags(tmp_path):
     assert sweep.points[-1] == {"lr": 1e-3, "clip_eps": 0.3}
     with pytest.raises(SystemExit):
         P.main(["--sweep-set", "lr=fast"])
+
