@@ -1978,6 +1978,10 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     def host_state(states):
         return jax.tree.map(lambda *parts: np.concatenate(parts)[:size], *[to_host(s) for s in states])
 
+    def advance_to_host(state, hparams, active):  # a chunk, its metrics fetched (on accelerators: waited for)
+        state, chunk_metrics = compiled_advance(state, hparams, active)
+        return state, to_host(chunk_metrics)
+
     seconds = []
     for _ in range(1 + timed_runs):
         run_start = time.perf_counter()
@@ -1998,8 +2002,8 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
             parts = []
             for i in range(num_groups):
                 active = put(np.int32(num_active), replicated)
-                states[i], chunk_metrics = compiled_advance(states[i], group_hparams[i], active)
-                parts.append(to_host(chunk_metrics))
+                states[i], chunk_metrics = call_interruptibly(advance_to_host, states[i], group_hparams[i], active)
+                parts.append(chunk_metrics)
             new = jax.tree.map(lambda *p: np.concatenate(p)[:size, :num_active], *parts)
             metrics = new if metrics is None else jax.tree.map(lambda a, b: np.concatenate([a, b], 1), metrics, new)
             done += num_active
@@ -2008,6 +2012,33 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     run_seconds = float(np.median(seconds[-timed_runs:])) if timed_runs else seconds[0]
     return RunResult(host_state(states), with_env_steps(metrics, config.batch_size), lowered_at - timer,
                      compiled_at - lowered_at, run_seconds, num_devices, (done - first_done) * config.batch_size * size)
+
+
+def call_interruptibly(fn, *args):
+    """fn(*args) on a worker thread while the main thread waits for it. Python runs signal handlers
+    only in the main thread, between bytecodes, and a compiled program runs in the thread that calls
+    it: so a Ctrl-C during a chunk is seen at once (StopRequests), not when the chunk ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        future = pool.submit(fn, *args)
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                continue
+    finally:
+        pool.shutdown(wait=False)  # after a KeyboardInterrupt the chunk goes on: main() exits without it
+
+
+def exit_at_once(message: str):
+    """A second Ctrl-C: print, then end the process without waiting for the chunk under way (Python
+    would join its worker thread first). Checkpoints are written atomically: the last one stays."""
+    print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def run(config: Config) -> RunResult:
@@ -2629,11 +2660,19 @@ class SweepSetting:
         metric = self.result.metrics[name]
         return metric.reshape(-1, self.config.num_seeds, *metric.shape[1:])
 
-    def final(self) -> np.ndarray:  # [points, seeds]
-        return final_return(self.result.metrics).reshape(-1, self.config.num_seeds)
+    def diverged(self) -> np.ndarray:  # [points, seeds]: a loss, KL or norm went non-finite (the NaN guard's test)
+        bad = [~np.isfinite(self.per_point(name)).all(axis=-1) for name in GUARDED_METRICS]
+        return np.any(bad, axis=0)
+
+    def final(self) -> np.ndarray:  # [points, seeds]; NaN where the agent diverged (its policy acts on NaNs)
+        final = final_return(self.result.metrics).reshape(-1, self.config.num_seeds)
+        return np.where(self.diverged(), np.nan, final)
 
     def auc(self) -> np.ndarray:  # [points, seeds]: mean return over all updates (area under the curve / steps)
-        return np.nanmean(self.per_point("episode_return"), axis=-1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no episode ended
+            auc = np.nanmean(self.per_point("episode_return"), axis=-1)
+        return np.where(self.diverged(), np.nan, auc)
 
 
 def setting_name(i: int, config: Config) -> str:
@@ -3069,7 +3108,10 @@ def main(argv: Sequence[str] | None = None):
         if writer:
             with open(os.path.join(run_dir, "sweep.toml"), "w") as f:
                 f.write(resolved_sweep_toml(sweep, config.sweep or "--sweep-set"))
-        settings = run_sweep(sweep, run_dir, config.sweep_chunk, config.quiet)
+        try:
+            settings = run_sweep(sweep, run_dir, config.sweep_chunk, config.quiet)
+        except KeyboardInterrupt:
+            exit_at_once(f"\ninterrupted: {run_dir}/ holds the static settings finished so far")
         print(f"outputs: {run_dir}/")
         return settings
 
@@ -3087,9 +3129,10 @@ def main(argv: Sequence[str] | None = None):
     try:
         result, status = train_run(config, run_dir, start)
     except KeyboardInterrupt:  # a second Ctrl-C: the chunk under way is lost, the checkpoint before it stays
-        print(f"\nstopped at once. Continue from the last checkpoint with:\n  python ppo_jax.py --resume {run_dir}",
-              file=sys.stderr)
-        raise SystemExit(130) from None
+        if run_dir is not None and os.path.exists(os.path.join(run_dir, CHECKPOINT)):
+            exit_at_once(f"\nstopped at once. Continue from the last checkpoint with:\n"
+                         f"  python ppo_jax.py --resume {run_dir}")
+        exit_at_once(f"\nstopped at once, before the first checkpoint: nothing to resume in {run_dir}")
     if writer:
         write_outputs(run_dir, config, result, status)
     if config.table_rows:

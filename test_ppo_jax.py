@@ -5,6 +5,7 @@ loop, scipy, a hand-derived value, or an equivalence (vmapped == single run).
     pytest -q -k "not learns"          # skip the slow learning tests (test_learns_*)
 """
 
+import csv
 import dataclasses
 import json
 import math
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+import types
 
 # The CLI's persistent compilation cache goes to a throwaway directory, not ~/.cache (read at import),
 # removed when the test process exits (unless $PPO_JAX_COMPILE_CACHE names one to keep).
@@ -1938,3 +1940,277 @@ def test_sweep_set_flags(tmp_path):
     with pytest.raises(SystemExit):
         P.main(["--sweep-set", "lr=fast"])
 
+
+# ------------------------------------------------------------------------------------------------
+# The README's promises, started as a user starts them
+# ------------------------------------------------------------------------------------------------
+
+
+def read_metrics_csv(path) -> dict[str, np.ndarray]:
+    rows = list(csv.DictReader(open(path)))
+    return {name: np.array([float(row[name]) for row in rows]) for name in rows[0]}
+
+
+def cli(argv, env=None, **kwargs) -> subprocess.CompletedProcess:
+    """`python ppo_jax.py ARGV` in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-u", P.__file__, *argv], capture_output=True, text=True,
+                          env=env, timeout=600, **kwargs)
+
+
+def test_ctrl_c_stops_after_the_chunk_and_a_second_ctrl_c_stops_at_once(tmp_path):
+    """Ctrl-C during a chunk is answered at once (the chunk runs on, then the run saves and exits
+    130 with the --resume line); a second Ctrl-C ends the process without finishing the chunk,
+    the checkpoint before it intact. --resume then finishes the run, with every flag it allows."""
+    run_dir = tmp_path / "run"
+    # 2 chunks of 1000 classic updates, a few seconds each: the signals land inside the second.
+    child = subprocess.Popen([sys.executable, "-u", P.__file__, "--total-timesteps", str(512 * 2000),
+                              "--checkpoint-every", "1000", "--run-dir", str(run_dir), "--table-rows", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in child.stdout:  # no sleeping: wait for the first chunk's progress line
+        if "update 1000/2000" in line:
+            child.send_signal(subprocess.signal.SIGINT)
+            break
+    for line in child.stderr:
+        if "SIGINT: stopping after this chunk" in line:  # answered while the chunk runs
+            child.send_signal(subprocess.signal.SIGINT)
+            break
+    assert child.wait(timeout=300) == 130
+    assert f"stopped at once. Continue from the last checkpoint with:\n  python ppo_jax.py --resume {run_dir}" \
+        in child.stderr.read()
+    config = P.load_run_config(str(run_dir), "--resume")
+    assert P.load_checkpoint(str(run_dir), config).updates_done == 1000  # the second chunk was lost
+    assert (run_dir / "metrics.csv").read_text().count("\n") == 1 + 1000
+    assert sorted(os.listdir(run_dir)) == ["checkpoint.msgpack", "config.json", "metrics.csv"]
+    # One Ctrl-C: the chunk under way finishes, is saved, and the run says how to go on.
+    resumed = subprocess.Popen([sys.executable, "-u", P.__file__, "--resume", str(run_dir), "--checkpoint-every",
+                                "250"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in resumed.stdout:
+        if "update 1250/2000" in line:
+            resumed.send_signal(subprocess.signal.SIGINT)
+            break
+    assert resumed.wait(timeout=300) == 130
+    err = resumed.stderr.read()
+    assert f"interrupted by SIGINT at update 1500/2000. Continue with:\n  python ppo_jax.py --resume {run_dir}" in err
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted by SIGINT"
+    assert (run_dir / "metrics.csv").read_text().count("\n") == 1 + 1500
+    # Every flag --resume allows.
+    finish = cli(["--resume", str(run_dir), "--checkpoint-every", "100", "--quiet", "--table-rows", "3",
+                  "--compile-cache", "", "--sweep-chunk", "1"])
+    assert finish.returncode == 0, finish.stderr
+    assert "resumed at update 1500" in finish.stdout and "ETA" not in finish.stdout
+    table = finish.stdout.split("updates x")[1].splitlines()
+    assert sum(1 for line in table if re.match(r"\s+\d+\s+\d+\s", line)) == 3
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "complete"
+    metrics = read_metrics_csv(run_dir / "metrics.csv")
+    assert metrics["update"].tolist() == list(range(1, 2001))
+
+
+CACHE_PROBE = """
+import sys
+import jax.monitoring
+events = []
+jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
+import ppo_jax
+ppo_jax.main(sys.argv[1:])
+print("cache hits:", events.count("/jax/compilation_cache/cache_hits"))
+"""
+
+
+def test_compile_cache_is_reused_by_a_second_run_and_empty_turns_it_off(tmp_path):
+    """--compile-cache DIR: the first run writes its compiled programs there, a second run of the
+    same static config (other HParams) loads them; --compile-cache "" uses no cache, not even the
+    default ~/.cache/ppo_jax."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PPO_JAX_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR")}
+    env["HOME"], env["PYTHONPATH"] = str(tmp_path / "home"), os.path.dirname(P.__file__)
+    cache = tmp_path / "cache"
+    tiny = ["--total-timesteps", "1024", "--num-steps", "32", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
+
+    def probe(*argv):
+        done = subprocess.run([sys.executable, "-c", CACHE_PROBE, *tiny, *argv], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return int(re.search(r"cache hits: (\d+)", done.stdout).group(1))
+
+    assert probe("--compile-cache", str(cache), "--run-dir", str(tmp_path / "a")) == 0
+    written = sorted(os.listdir(cache))
+    assert written
+    assert probe("--compile-cache", str(cache), "--run-dir", str(tmp_path / "b"), "--lr", "1e-3") >= 1
+    assert sorted(os.listdir(cache)) == written  # nothing compiled anew
+    assert probe("--compile-cache", "", "--run-dir", str(tmp_path / "c")) == 0
+    assert not (tmp_path / "home" / ".cache" / "ppo_jax").exists()
+
+
+def test_sweep_chunk_gives_the_same_runs(tmp_path):
+    """--sweep-chunk K runs K agents at a time through the same program: a single run of 3 seeds and
+    a sweep of 2 points x 2 seeds give the numbers they give all at once."""
+    tiny = ["--total-timesteps", "768", "--num-steps", "32", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
+    for name, extra in (("whole", []), ("chunked", ["--sweep-chunk", "2"])):
+        P.main([*tiny, "--num-seeds", "3", "--run-dir", str(tmp_path / f"run_{name}"), *extra])
+        P.main([*tiny, "--num-seeds", "2", "--sweep-set", "lr=3e-4,3e-3", "--run-dir", str(tmp_path / f"sweep_{name}"),
+                *extra])
+    whole, chunked = (read_metrics_csv(tmp_path / f"run_{name}" / "metrics.csv") for name in ("whole", "chunked"))
+    assert len(whole["update"]) == 3 * 6
+    for name in whole:
+        np.testing.assert_allclose(chunked[name], whole[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    whole, chunked = ((tmp_path / f"sweep_{name}" / "results.csv").read_text().splitlines() for name in ("whole", "chunked"))
+    assert len(whole) == 1 + 2 * 2
+    for a, b in zip(whole[1:], chunked[1:]):
+        a, b = a.split(","), b.split(",")
+        np.testing.assert_allclose([float(x) for x in b[-3:-1]], [float(x) for x in a[-3:-1]], rtol=1e-5)
+
+
+def test_eval_sampled_and_continuous(tmp_path, capsys):
+    """Sampled --eval is reproducible by --seed and differs across seeds; a continuous policy's
+    --eval --deterministic equals a plain-Python episode loop with the mean action clipped to the
+    bounds; --render is refused in one line for an env gymnax cannot draw."""
+    tiny = ["--num-steps", "64", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
+    P.main(["--total-timesteps", "256", *tiny, "--run-dir", str(tmp_path / "cartpole")])
+    sampled = [P.main(["--eval", str(tmp_path / "cartpole"), "--episodes", "8", "--seed", str(seed)])
+               for seed in (1, 1, 2)]
+    np.testing.assert_array_equal(sampled[0], sampled[1])
+    assert not np.array_equal(sampled[0], sampled[2])
+    assert np.all(sampled[0] >= 8) and np.all(sampled[0] <= 500)  # CartPole: at least ~8 steps, at most 500
+
+    P.main(["--env", "Pendulum-v1", "--total-timesteps", "1024", *tiny, "--run-dir", str(tmp_path / "pendulum")])
+    returns = P.main(["--eval", str(tmp_path / "pendulum"), "--episodes", "2", "--deterministic", "--seed", "3"])
+    assert "±" in capsys.readouterr().out
+    config = P.load_run_config(str(tmp_path / "pendulum"), "--eval")
+    env = P.make_env(dataclasses.replace(config, num_envs=2))
+    network = P.make_network(config, env)
+    policy = jax.tree.map(lambda x: x[0], P.read_policies(config, env, network, str(tmp_path / "pendulum" /
+                                                                                    "params.msgpack"), "test"))
+    _, env_state = env.reset(jax.random.split(jax.random.split(jax.random.PRNGKey(3), 1)[0])[0])
+    apply = jax.jit(lambda obs: network.apply(policy.params, obs)[1].mean)
+    step = jax.jit(lambda state, action: env.env.step_env(jax.random.PRNGKey(0), state, action, env.env_params))
+    for episode in range(2):
+        state = jax.tree.map(lambda x: x[episode], env_state.env_state)
+        total = 0.0
+        for _ in range(200):  # Pendulum's episodes: 200 steps, always truncated
+            obs = np.asarray(env.env.get_obs(state, env.env_params), np.float32)
+            action = np.clip(np.asarray(apply(obs[None]))[0], -2.0, 2.0)
+            _, state, reward, _, _ = step(state, action)
+            total += float(reward)
+        assert returns[0, episode] == pytest.approx(total, rel=1e-4), episode
+
+    P.main(["--env", "MemoryChain-bsuite", "--total-timesteps", "256", *tiny, "--run-dir", str(tmp_path / "memory")])
+    with pytest.raises(SystemExit) as exit_info:
+        P.main(["--eval", str(tmp_path / "memory"), "--render", str(tmp_path / "memory.gif")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert "--render: gymnax cannot draw MemoryChain-bsuite" in err and not (tmp_path / "memory.gif").exists()
+
+
+def test_env_params_change_the_dynamics(tmp_path):
+    """--env-params gravity=100: the env steps with that gravity (a pole falls faster: from the same
+    state and action, the pole's angular velocity grows more), and the run's episodes are shorter."""
+    base, heavy = P.VecEnv("CartPole-v1", 1), P.VecEnv("CartPole-v1", 1, ("gravity=100.0",))
+    assert float(heavy.env_params.gravity) == 100.0
+    _, state = base.reset(jax.random.PRNGKey(0))
+    tilted = state.replace(env_state=state.env_state.replace(theta=jnp.array([0.1])))
+    after = [env.env.step_env(jax.random.PRNGKey(1), jax.tree.map(lambda x: x[0], tilted.env_state), 0,
+                              env.env_params)[1].theta_dot for env in (base, heavy)]
+    assert float(after[1]) > float(after[0]) > 0
+    tiny = ["--total-timesteps", "2048", "--num-steps", "64", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
+    P.main([*tiny, "--run-dir", str(tmp_path / "base")])
+    P.main([*tiny, "--env-params", "gravity=100.0", "--run-dir", str(tmp_path / "heavy")])
+    assert json.loads((tmp_path / "heavy" / "config.json").read_text())["env_params"] == ["gravity=100.0"]
+    lengths = [np.nanmean(read_metrics_csv(tmp_path / run / "metrics.csv")["episode_length"]) for run in ("base", "heavy")]
+    assert lengths[1] < 0.8 * lengths[0], lengths
+
+
+def test_init_ref_params_and_params_index_from_the_command_line(tmp_path, capsys):
+    """--init-params P --params-index 1 starts from seed 1's policy of a 2-seed params.msgpack (with a
+    vanishing lr, the run ends where it started); --ref-params P --params-index 1 makes it the
+    leash's reference (KL > 0 from the first update); an index the file does not hold is one line."""
+    tiny = ["--num-steps", "32", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
+    P.main(["--total-timesteps", "256", *tiny, "--num-seeds", "2", "--run-dir", str(tmp_path / "saved")])
+    path = str(tmp_path / "saved" / "params.msgpack")
+    saved = serialization.msgpack_restore(open(path, "rb").read())
+    P.main(["--total-timesteps", "128", *tiny, "--init-params", path, "--params-index", "1", "--lr", "1e-12",
+            "--run-dir", str(tmp_path / "init")])
+    started = serialization.msgpack_restore((tmp_path / "init" / "params.msgpack").read_bytes())
+    kernel = lambda tree, seed: tree["params"]["params"]["actor_0"]["kernel"][seed]  # noqa: E731
+    np.testing.assert_allclose(kernel(started, 0), kernel(saved, 1), atol=1e-6)
+    assert not np.allclose(kernel(started, 0), kernel(saved, 0), atol=1e-3)
+    P.main(["--total-timesteps", "128", *tiny, "--ref-params", path, "--params-index", "1", "--ref-kl-coef", "0.1",
+            "--run-dir", str(tmp_path / "ref")])
+    assert read_metrics_csv(tmp_path / "ref" / "metrics.csv")["ref_kl"][0] > 0
+    with pytest.raises(SystemExit) as exit_info:
+        P.main([*tiny, "--init-params", path, "--params-index", "2", "--run-dir", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "--params-index 2" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_quiet_and_table_rows(tmp_path, capsys):
+    """Without --quiet a log gets one progress line per chunk; --quiet prints none; --table-rows N
+    prints N rows of the metrics table, 0 none."""
+    tiny = ["--total-timesteps", str(4 * 32 * 8), "--num-steps", "32", "--hidden-sizes", "8",
+            "--checkpoint-every", "2"]
+    P.main([*tiny, "--table-rows", "3", "--run-dir", str(tmp_path / "a")])
+    out = capsys.readouterr().out
+    assert [line.split("ETA")[1].split()[2] for line in out.splitlines() if "ETA" in line] == \
+        ["2/8", "4/8", "6/8", "8/8"]
+    rows = [line for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s+", line)]
+    assert [int(row.split()[0]) for row in rows] == [1, 5, 8]  # updates spread over the run
+    P.main([*tiny, "--quiet", "--table-rows", "0", "--run-dir", str(tmp_path / "b")])
+    out = capsys.readouterr().out
+    assert "ETA" not in out and not re.search(r"^\s+\d+\s+\d+\s+", out, re.MULTILINE)
+
+
+def test_a_sweep_of_two_static_settings_with_a_diverging_point(tmp_path, capsys):
+    """A spec with two [[static]] settings and a point that diverges (lr 1e30): the sweep runs both
+    settings to the end, shows the diverged point as NaN (last in the ranking), and the rest as
+    numbers; every output covers both settings; the normalised score is printed."""
+    spec = tmp_path / "two.toml"
+    spec.write_text("""
+name = "two"
+normalized_score = true
+[base]
+total_timesteps = 1024
+num_steps = 32
+hidden_sizes = [8]
+[[static]]
+num_envs = 4
+[[static]]
+num_envs = 8
+hidden_sizes = [16]
+[[grid]]
+lr = [3e-4, 3e-3, 1e30]
+""")
+    run_dir = tmp_path / "out"
+    settings = P.main(["--sweep", str(spec), "--num-seeds", "2", "--run-dir", str(run_dir), "--quiet"])
+    out = capsys.readouterr().out
+    assert [s.config.num_envs for s in settings] == [4, 8] and settings[1].config.hidden_sizes == (16,)
+    results = list(csv.DictReader(open(run_dir / "results.csv")))
+    assert len(results) == 2 * 3 * 2
+    for row in results:
+        assert np.isnan(float(row["final_return"])) == (float(row["lr"]) == 1e30), row
+    summary = list(csv.DictReader(open(run_dir / "summary.csv")))
+    assert len(summary) == 2 * 3 and len({row["static"] for row in summary}) == 2
+    for block in out.split("\n\n")[1:3]:  # each setting's ranking: the diverged point last, as NaN
+        ranked = [line for line in block.splitlines() if re.match(r"\s+\d+\s+lr=", line)]
+        assert len(ranked) == 3 and "lr=1e+30" in ranked[-1] and "nan ± nan" in ranked[-1], block
+    scores = out.split("normalised score")[1].splitlines()[1:4]
+    assert scores[-1].split()[0] == "nan" and all(float(line.split()[0]) <= 1 for line in scores[:2])
+    assert (run_dir / "curves.png").exists() and (run_dir / "final_vs_lr.png").exists()
+
+
+def test_normalized_score_is_0_for_the_random_policy_and_1_for_the_best_point():
+    """(final - random) / (best point - random) per static setting, then the mean over settings; a
+    diverged (NaN) point stays NaN and does not count as the best."""
+    nan = np.nan
+
+    def setting(finals, random_return):  # final returns [points, seeds], as flat curves
+        finals = np.asarray(finals, np.float32)
+        returns = np.repeat(finals.reshape(-1, 1), 10, axis=1)
+        metrics = {"episode_return": returns, "episodes": np.ones_like(returns)}
+        metrics |= {name: np.zeros_like(returns) for name in P.GUARDED_METRICS}
+        return P.SweepSetting(tiny_config(num_seeds=finals.shape[1]), types.SimpleNamespace(metrics=metrics),
+                              random_return)
+
+    first = setting([[10, 10], [50, 60], [100, 100], [nan, nan]], random_return=10.0)
+    second = setting([[-5, -3], [0, 0], [-4, -4], [nan, nan]], random_return=-4.0)
+    np.testing.assert_allclose(P.normalized_scores([first]), [0.0, 0.5, 1.0, nan])
+    np.testing.assert_allclose(P.normalized_scores([second]), [0.0, 1.0, 0.0, nan])
+    np.testing.assert_allclose(P.normalized_scores([first, second]), [0.0, 0.75, 0.5, nan])
