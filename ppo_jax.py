@@ -1,32 +1,29 @@
 """ppo_jax: Proximal Policy Optimization as one XLA program.
 
-PPO (Schulman et al., 2017, arXiv:1707.06347) on any gymnax environment: the clipped surrogate,
-the adaptive KL penalty (PPO-Penalty) and a KL leash to a frozen reference policy, with every
-implementation detail a switch. Environment stepping, GAE and the multi-epoch minibatch update
-all run inside a single `jax.jit`, and `--num-seeds N` vmaps the whole run over N seeds in that
-same program.
+PPO (Schulman et al., 2017, arXiv:1707.06347) on gymnax and Brax environments: the clipped
+surrogate, PPO-Penalty (adaptive KL) and a KL leash to a frozen reference policy, every
+implementation detail a switch. Env stepping, GAE and the epochs of minibatch updates run in one
+jax.jit; seeds and whole hyperparameter grids are vmapped inside that one program.
 
-    python ppo_jax.py                                        # CartPole-v1, the classic config
+    python ppo_jax.py                                   # CartPole-v1, the classic config
     python ppo_jax.py --env Pendulum-v1 --num-seeds 4
-    python ppo_jax.py --clip-eps 0 --kl-coef 1 --kl-target 0.01 --lr 2.5e-3   # PPO-Penalty
-    python ppo_jax.py --env Acrobot-v1 --help                # every flag, with Acrobot's defaults
-    python ppo_jax.py --resume runs/CartPole-v1-...          # continue an interrupted run, bit-identically
-    python ppo_jax.py --eval runs/CartPole-v1-... --deterministic
+    python ppo_jax.py --sweep sweeps/clip_vs_kl.toml    # the PPO paper's Table 1, one compile per env
+    python ppo_jax.py --env Acrobot-v1 --help           # every flag, with Acrobot's defaults
 
-Sections, top to bottom:
-    1. Config, HParams    what fixes the compiled program / what can vary inside it
-    2. Environment        gymnax, vmapped over envs: flat float32 obs, clipped actions, episode stats
-    3. Network            ActorCritic; Categorical and diagonal Gaussian in closed form (log-prob,
-                          entropy, KL); RunningStats for observation and reward normalisation
-    4. Math               compute_gae, clipped_surrogate, value_loss, adaptive_kl_coef, ...
-    5. Training           make_train(config) -> train(key, hparams) -> (TrainState, metrics), and its
-                          two halves make_train_parts(config) -> init, advance (a chunk of updates)
-    6. Running            validation; compile, then run chunk by chunk; metrics to numpy; a single
-                          run's checkpoints, NaN guard, signals and progress; sweep specs
-    7. Outputs            run directory: config.json, checkpoint.msgpack, metrics.csv, summary.json,
-                          curve.png, params.msgpack; sweep outputs
-    8. Evaluation         a trained policy on complete episodes; a GIF of one
-    9. CLI                main()
+Where to hack (the four rules a change must keep are in HParams' docstring):
+    surrogate objective      policy_objective       the loss (Eq. 9)       ppo_loss
+    advantages, returns      compute_gae            value loss             value_loss
+    PPO-Penalty's beta       adaptive_kl_coef       learning-rate schedule learning_rate
+    network, distributions   ActorCritic, Categorical, DiagGaussian
+    rollout, reward shaping  step_envs, process_rollout
+    minibatches, epochs      minibatch_step, epoch_step, update_step
+    optimizer                make_optimizer, adam_step
+    environments             VecEnv (gymnax), BraxEnv
+    metrics                  update_step's `metrics` (every key reaches metrics.csv)
+    a hyperparameter         a field of HParams (traced: swept without recompiling)
+
+Sections: 1 Config and HParams; 2 Environment; 3 Network; 4 Math; 5 Training; 6 Running and sweeps;
+7 Outputs; 8 Evaluation; 9 CLI. What each speed device is for, with its figures: docs/speed.md.
 """
 
 from __future__ import annotations
@@ -72,13 +69,11 @@ def usable_cores() -> int:
 
 # One JAX CPU device per core (unless the user chose a count: JAX_NUM_CPU_DEVICES, or XLA's
 # xla_force_host_platform_device_count), so that a batch of agents (seeds, sweep points) is sharded
-# over the cores like over GPUs: each device runs its share of the agents as its own program, side by
-# side. Speed, 2-core Xeon: 8 stacked CartPole agents 211k -> 443-453k env steps/s, 64 agents 206k ->
-# 372k. Where agents are fewer than devices, each agent's envs are sharded over several (run_batch,
-# --env-devices); a small config stays on one device, whose bigger kernels (dots) XLA still runs on
-# every core (its small ones one after the other: README, Speed). Like the async-dispatch switch
-# above, it must be set before the CPU backend starts (imported after JAX has run something, ppo_jax
-# keeps the devices there are).
+# over the cores as over GPUs: each device runs its share of the agents as its own program, side by
+# side (XLA's CPU runtime runs one program's small kernels one after the other). Where agents are
+# fewer than devices, each agent's envs are sharded over several (run_batch, --env-devices). Like the
+# async-dispatch switch above, it must be set before the CPU backend starts (imported after JAX has
+# run something, ppo_jax keeps the devices there are). Figures: docs/speed.md.
 if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
         "XLA_FLAGS", ""):
     try:
@@ -100,9 +95,9 @@ class DeferredModule(types.ModuleType):
 @contextlib.contextmanager
 def imports_deferred(*names: str):
     """Inside the block, `import name` gives a DeferredModule: the real module is imported only if
-    used. After it, the names import as usual. Speed: gymnax's package imports every env, and its
-    Pong imports seaborn (for rendering), which imports scipy.stats and pandas: ~0.9 of the ~2.3 s
-    that importing ppo_jax took (python -X importtime). Nothing in ppo_jax renders with it."""
+    used. After it, the names import as usual. Start-up time: gymnax's package imports every env, and
+    its Pong imports seaborn (for rendering), which imports scipy.stats and pandas; nothing in
+    ppo_jax renders with it."""
     stubs = [name for name in names if name not in sys.modules]
     for name in stubs:
         sys.modules[name] = DeferredModule(name)
@@ -149,6 +144,16 @@ class HParams:
     Because this is a pytree, `jax.vmap(train, in_axes=(0, 0))` over stacked HParams runs a whole
     sweep as one program. Booleans are switches: they become 0/1 arrays inside the program and
     select a branch with `jnp.where`, so they can be swept too.
+
+    Four rules for changing the PPO:
+    1. HParams are traced: no Python `if` on a field; switch with `jnp.where` or a coefficient.
+    2. Every loss term and diagnostic is a mean over samples: a minibatch may be computed in slices
+       (--slices; automatic on CPU for big minibatches) and over devices (--env-devices), and the
+       parts' gradients are averaged. A per-minibatch statistic (e.g. normalising advantages) goes
+       in epoch_step, not in ppo_loss (test_slices_give_the_whole_minibatch_gradient_step fails).
+    3. A statistic over the whole batch inside the update goes through over_shards (an agent's envs
+       may be sharded over devices, each holding its part of the batch).
+    4. A new field defaults to the old behaviour, so old checkpoints and sweep specs still run.
     """
 
     # --- the objective
@@ -278,7 +283,7 @@ class Config:
     share of every minibatch, and the gradients are averaged across them (results equal the
     unsharded run's up to float rounding). 0: auto, as many devices as divide the envs and the
     minibatches while each keeps at least SHARD_SAMPLES samples of a minibatch (on CPU every core is
-    a device: see README, Speed); 1: never. Single host only (--distributed shards agents alone)."""
+    a device: see docs/speed.md); 1: never. Single host only (--distributed shards agents alone)."""
     distributed: bool = False
     """Call jax.distributed.initialize() first: run the same command on every host of a multi-host
     slice; the batch is sharded over all their devices and host 0 writes the outputs."""
@@ -323,7 +328,7 @@ class Config:
 
 
 # Defaults per environment family. CartPole is the classic PPO config (CleanRL / the 37 details),
-# which is also Config's own default. Pendulum was tuned here: see README, "Defaults".
+# which is also Config's own default. Pendulum was tuned here: see docs/results.md.
 CLASSIC_DISCRETE: dict[str, Any] = {}
 CLASSIC_CONTINUOUS: dict[str, Any] = dict(
     total_timesteps=1_000_000,
@@ -338,11 +343,11 @@ MINATAR: dict[str, Any] = dict(  # a shared conv + 128 torso, many envs (PPO pap
     num_envs=128,
     num_steps=128,
     update_epochs=4,
-    num_minibatches=32,  # minibatches of 512: 4x the gradient steps of 8 (Breakout, 3e6 steps, tanh: 26.6 vs 15-17)
+    num_minibatches=32,  # minibatches of 512: 4x the gradient steps of 8 (docs/results.md)
     hidden_sizes=(128,),
-    activation="relu",  # as MinAtar's own networks (Breakout, 3e6 steps, 32 minibatches: 43.4 vs tanh's 26.6)
+    activation="relu",  # as MinAtar's own networks
     shared_trunk=True,
-    hparams=dict(lr=5e-4, ent_coef=0.03),  # Breakout at 1e7 steps (tanh, 8 minibatches): 23.1 with 0.03, 11.5 with 0.01
+    hparams=dict(lr=5e-4, ent_coef=0.03),
 )
 BRAX: dict[str, Any] = dict(  # the PPO paper's MuJoCo setup (Table 3), spread over many parallel envs as Brax runs it
     total_timesteps=50_000_000,
@@ -639,10 +644,8 @@ def draw_bits(key, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
     """uint32 random bits of each shape, from one call of the PRNG (threefry). A part with a raw key's
     shape (key.shape) is a fresh key, as jax.random.split's are.
 
-    Written for compile time: on CPU each jax.random call compiles to its own loop of ~9 kernels, and
-    a kernel costs ~7 ms of XLA compile here; an update's randomness drawn in two calls instead of six
-    took the classic config's update program from 362 to 335 kernels and its XLA compile 2.82-2.89 ->
-    2.61-2.76 s (README, Speed)."""
+    Written for compile time: on CPU each jax.random call compiles to its own loop of kernels, and
+    each kernel costs XLA compile time; an update draws its randomness in two calls, not six."""
     sizes = [math.prod(shape) for shape in shapes]
     flat = jax.random.bits(key, (sum(sizes),), jnp.uint32)
     parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist())
@@ -747,18 +750,15 @@ def orthogonal(scale: float):
 def kernel_grad(x, g, chunk: int):
     """x^T g for x [n, D], g [n, F]: a dense layer's kernel gradient, a sum over the n rows.
 
-    Written for speed, on CPU (Dense calls it with chunk > 0). XLA's dot for x^T g, contracting over
-    the rows into a small kernel, ran at a fraction of the forward's FLOP/s here (one core, 2048
-    rows: a 64 x 64 kernel 0.32 ms against 0.17 for the forward's dot; the 64 x 2 policy head
-    0.21 ms, as long as a 64 x 64 layer). For layers with at least 64 inputs:
+    Written for speed, on CPU (Dense calls it with chunk > 0): XLA's dot for x^T g, contracting over
+    the rows into a small kernel, runs at a fraction of the forward's FLOP/s there. For layers with
+    at least 64 inputs:
     - a small kernel (at most 128 x 128) over at least 8 chunks of `chunk` rows: one batched dot
-      over the chunks, then a sum of the chunks' kernels. 2048 rows: 64 x 64 0.32 -> 0.25 ms,
-      the value head 0.16 -> 0.03, the policy head 0.21 -> 0.10;
+      over the chunks, then a sum of the chunks' kernels;
     - otherwise a narrow output (F <= D / 2: the heads, MinAtar's 1600 x 128) as g^T x, [F, D],
-      then transposed. 128 rows: the policy head 7.1 -> 2.2 us. The optimization barriers keep
-      XLA from folding the transposes back into the dot's layout, which undoes the gain.
-    Narrow inputs (CartPole's 4, the conv's 9C) and the rest measured no faster, or slower, and
-    stay one dot. See README, Speed."""
+      then transposed. The optimization barriers keep XLA from folding the transposes back into
+      the dot's layout, which undoes the gain.
+    Narrow inputs (CartPole's 4, the conv's 9C) and the rest stay one dot (no faster otherwise)."""
     (n, inputs), outputs = x.shape, g.shape[1]
     if inputs < 64:
         return x.T @ g
@@ -795,9 +795,9 @@ class Dense(nn.Module):
     `affine`, for its kernel gradient by kernel_grad; with grad_chunk 0, nn.Dense's matmul and gradient.
 
     Written for compile time: applied, it reads its parameters with get_variable, not param(), which
-    at every apply traces the initializer (jax.eval_shape) to check the stored shape. The update
-    program applies the network five times: its lowering 0.64-0.67 -> 0.49-0.55 s. Parameters
-    come from init, or from a file that read_policies / load_checkpoint check against this network."""
+    at every apply traces the initializer (jax.eval_shape) to check the stored shape, and the update
+    program applies the network five times. Parameters come from init, or from a file that
+    read_policies / load_checkpoint check against this network."""
 
     features: int
     kernel_init: Any
@@ -889,8 +889,8 @@ class ActorCritic(nn.Module):
 
         if self.image_shape is not None:  # observations are flat everywhere else: [..., H, W, C] here
             # A 3x3 'SAME' convolution written as its 3x3 patches times a [9C, 16] kernel. Speed: on
-            # CPU, XLA's convolution gradient was ~4x slower than this one matmul (the patches are of
-            # the observation, so they need no gradient).
+            # CPU, XLA's convolution gradient is slower than this one matmul (the patches are of the
+            # observation, so they need no gradient).
             image = obs.reshape(-1, *self.image_shape)
             patches = jax.lax.conv_general_dilated_patches(image, (3, 3), (1, 1), "SAME",
                                                            dimension_numbers=("NHWC", "OIHW", "NHWC"))
@@ -990,11 +990,15 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lamb
     return advantages, advantages + values
 
 
-def clipped_surrogate(ratio, advantages, clip_eps):
-    """Per-sample clipped surrogate objective, to be maximised (PPO paper, Eq. 7). clip_eps 0 (or
-    inf) gives the unclipped surrogate r * A."""
-    clipped = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
-    return jnp.where(clip_eps > 0, clipped, ratio * advantages)
+def policy_objective(ratio, advantages, hparams: HParams):
+    """The per-sample surrogate objective, to be maximised, and where its clip acts -> (objective,
+    clipped), both [B]. PPO paper, Eq. 7: min(r A, clip(r, 1 - eps, 1 + eps) A); clip_eps 0 (or
+    inf): the unclipped surrogate r A (Table 1's baseline). `clipped` marks the samples whose ratio
+    lies outside the band (the clip_frac metric). A new surrogate replaces this function alone."""
+    eps = hparams.clip_eps
+    objective = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - eps, 1.0 + eps) * advantages)
+    clipped = (jnp.abs(ratio - 1.0) > eps) & (eps > 0)
+    return jnp.where(eps > 0, objective, ratio * advantages), clipped
 
 
 def value_loss(values, old_values, targets, clip_eps, clip_vloss):
@@ -1094,8 +1098,7 @@ def adam_step(grads, grad_norm, opt_state, hparams: HParams, stopped):
 
     Written for speed: the stop mask selects the moments before the step is computed from them, so
     XLA makes one fused pass over the state where tx.update and a select between its new state and
-    the old one made more. Time per update, same-process A/B: 8 stacked agents -8 %, 64 -3 %, the
-    classic config -2 to -5 %, 512 envs the same."""
+    the old one made more."""
     clip_state, adam = opt_state
     g = jnp.where(grad_norm < hparams.max_grad_norm, grads, grads / grad_norm * hparams.max_grad_norm)
     mu = jnp.where(stopped, adam.mu, (1 - ADAM_B1) * g + ADAM_B1 * adam.mu)
@@ -1120,8 +1123,7 @@ def gather_envs(tree, shards: int, axis: int = 1):
 def over_shards(collective, tree, shards: int):
     """`collective` (jax.lax.pmean or psum) of a pytree of float32 values over the devices.
     Speed: the tree is raveled into one vector, so that a gradient step waits on one all-reduce, not
-    one per leaf (512 envs on 2 CPU devices, per update: 164 ms with one per leaf and two more for
-    the advantages' statistics, 149 ms with one; see epoch_step for the advantages)."""
+    one per leaf (a collective between devices costs the same whatever it moves)."""
     if shards == 1:
         return tree
     flat, unravel = ravel_pytree(tree)
@@ -1230,16 +1232,15 @@ def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_co
     value loss and entropy bonus (Eq. 9); negated for minimisation. Which terms act is data: their
     coefficients. Every term, and every diagnostic, is a mean over the samples."""
     _, dist, values = network.apply(params, batch.obs, batch.first, batch.hidden)
-    log_probs = dist.log_prob(batch.action)
-    log_ratio = log_probs - batch.log_prob
+    log_ratio = dist.log_prob(batch.action) - batch.log_prob
     ratio = jnp.exp(log_ratio)
-    advantages = batch.advantages  # normalised by epoch_step (over the whole minibatch)
-    policy_loss = -jnp.mean(clipped_surrogate(ratio, advantages, hparams.clip_eps))
+    # The advantages were normalised by epoch_step, over the whole minibatch (rule 2: not here).
+    objective, clipped = policy_objective(ratio, batch.advantages, hparams)
+    policy_loss = -jnp.mean(objective)
     kl = jnp.mean(batch.dist.kl(dist))  # exact KL[pi_old || pi]
     v_loss = value_loss(values, batch.value, batch.targets, hparams.clip_eps, hparams.clip_vloss)
     entropy = jnp.mean(dist.entropy())
     total = policy_loss + kl_coef * kl + hparams.vf_coef * v_loss - hparams.ent_coef * entropy
-    clipped = (jnp.abs(ratio - 1.0) > hparams.clip_eps) & (hparams.clip_eps > 0)
     diagnostics = {
         "policy_loss": policy_loss,
         "value_loss": v_loss,
@@ -1255,18 +1256,14 @@ def over_slices(fn, batch, slices: int, mean: bool = False):
     arrays), its outputs concatenated; with mean=True, for an fn whose outputs are means over the
     samples (a loss, its gradient, diagnostics), averaged instead.
 
-    Written for speed, on CPU: on a minibatch of 16384 samples, the network's activations are 4 MB
-    each, larger than a core's cache, and one op on them uses the cores poorly (the weight
-    gradients, dots over 16384 samples, run at a third of the forward's FLOP/s). Each slice's
-    computation is its own piece of the program (a Python loop: unrolled), cache-sized, and
-    independent of the others, so XLA runs them side by side on the cores. One gradient step on
-    16384 samples, 2-core Xeon: 9.4 ms whole, ~7.9 ms in 8 slices; the critic on 65536 samples:
-    10.5 ms whole, 5.2 ms in 8 slices. With kernel_grad's chunks, slices of 2048 samples ran best
-    (SLICE_SAMPLES): a 2048-sample minibatch is now faster whole. See README, Speed."""
+    Written for speed, on CPU: on a big minibatch the network's activations are larger than a core's
+    cache, and one op on them uses the cores poorly. Each slice's computation is its own piece of
+    the program (a Python loop: unrolled), cache-sized, and independent of the others, so XLA runs
+    them side by side on the cores."""
     if slices == 1:
         return fn(batch)
     size = jax.tree.leaves(batch)[0].shape[0] // slices
-    fn = jax.jit(fn)  # traced once for every slice (compile time: 512 envs' lowering 1.9 -> 1.1 s)
+    fn = jax.jit(fn)  # traced once for every slice (compile time)
     parts = [fn(jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch)) for i in range(slices)]
     if mean:
         return jax.tree.map(lambda *values: sum(values) / slices, *parts)
@@ -1306,15 +1303,14 @@ def random_orders(bits, rows: int):
     """[rows, n] int32, each row a uniformly random permutation of range(n), by sorting random keys,
     the rows independent; bits: uint32 random bits of order_bits_shape(rows, n).
 
-    Written for speed: on CPU, XLA sorts one uint32 array ~4.5x faster than it argsorts (key, index)
-    pairs (65k samples: ~11 against ~48 ms), so each key carries its index in its low bits, and one
-    sort of the keys gives the order. That leaves 32 - log2(n) random bits per key, so
-    ceil(32 / random bits) such sorts are composed: two elements keep their original order only if
-    their keys tie in every round, which leaves fewer such pairs (~n^2 / 2^33) than one argsort of
-    32-bit keys does. The rounds after the first shuffle positions, not elements, so the rows share
-    them (512 envs: 5 sorts of 65536 keys per update instead of 8, -4 to -5 % per update): given
-    the shared rounds, the rows are independent first rounds, each composed with the same fixed
-    permutation, which keeps them uniform and independent."""
+    Written for speed: on CPU, XLA sorts one uint32 array several times faster than it argsorts
+    (key, index) pairs, so each key carries its index in its low bits, and one sort of the keys
+    gives the order. That leaves 32 - log2(n) random bits per key, so ceil(32 / random bits) such
+    sorts are composed: two elements keep their original order only if their keys tie in every
+    round, which leaves fewer such pairs (~n^2 / 2^33) than one argsort of 32-bit keys does. The
+    rounds after the first shuffle positions, not elements, so the rows share them: given the shared
+    rounds, the rows are independent first rounds, each composed with the same fixed permutation,
+    which keeps them uniform and independent."""
     n = bits.shape[-1]
     low = jnp.uint32((1 << index_bits(n)) - 1)
     keys = (bits & ~low) | jnp.arange(n, dtype=jnp.uint32)
@@ -1470,7 +1466,7 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
     """Fresh params (orthogonal or default init, by hparams.ortho_init) and empty statistics. A
     Python bool ortho_init compiles that init alone; a traced one (it differs across a batch of
-    agents) compiles both and selects (compile time: each init is ~1.5 s of XLA on 2 CPU cores)."""
+    agents) compiles both and selects (compile time: each init is its own XLA compile)."""
     inputs = (obs[None], jnp.ones((1, len(obs)), bool), initial_hidden(network, len(obs)))  # one step of [N] envs
     if isinstance(hparams.ortho_init, bool):
         return Policy(network.clone(orthogonal_init=hparams.ortho_init).init(key, *inputs),
@@ -1515,7 +1511,7 @@ def train_updates(state: TrainState, hparams: HParams, length: int, num_active=N
     step = functools.partial(update_step, config=config, env=env, network=network, hparams=hparams)
     if num_active is None:
         return jax.lax.scan(step, state, None, length=length)
-    step = jax.jit(step)  # traced once, not twice: eval_shape and the cond share the trace (lowering ~0.5 s less)
+    step = jax.jit(step)  # traced once, not twice: eval_shape and the cond share the trace (compile time)
     shapes = jax.eval_shape(step, state, None)[1]
     skip = lambda state: (state, jax.tree.map(lambda m: jnp.full(m.shape, jnp.nan, m.dtype), shapes))  # noqa: E731
     body = lambda state, i: jax.lax.cond(i < num_active, lambda s: step(s, None), skip, state)  # noqa: E731
@@ -1767,11 +1763,11 @@ def to_host(tree):
 
 
 # On a CPU without AVX-512, a minibatch of at least this many samples runs its dots as XLA's own
-# (Eigen) dots instead of YNNPACK fusions (xla_options): measured faster on big minibatches there,
-# slower on small ones, and slower at every size on a CPU with AVX-512.
+# (Eigen) dots instead of YNNPACK fusions (xla_options): faster on big minibatches there, slower on
+# small ones, and slower at every size on a CPU with AVX-512 (docs/speed.md).
 EIGEN_DOTS_FROM_MINIBATCH = 4096
 SLICE_SAMPLES = 2048  # --slices auto: a minibatch slice's activations (64 wide: 512 KB) stay in a core's cache
-MAX_SLICES = 8  # and at most this many (compile time grows with each; 8 or 16 slices of 16384 run alike)
+MAX_SLICES = 8  # and at most this many (compile time grows with each; more ran no faster)
 GRAD_CHUNK_ROWS = 128  # a small Dense kernel's gradient as a sum over chunks of this many rows (kernel_grad)
 
 
@@ -1805,15 +1801,10 @@ def cpu_has_avx512() -> bool:
 def xla_options(config: Config | None = None) -> dict[str, Any] | None:
     """Options for compiling our programs (config: the run's, for the minibatch size). On CPU:
     - XLA's generated loops go through LLVM at optimisation level 1 instead of 3 (compile time):
-      the classic config's programs compile in ~6 s instead of ~9-10 on a 2-core AMD EPYC and run
-      as fast, within the machine's noise: their heavy ops, the dots, are library calls that the
-      level does not touch.
+      they run as fast, as their heavy ops, the dots, are library calls that the level does not touch.
     - Without AVX-512, from EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, no YNNPACK fusions
-      (speed). CartPole env steps/s with them off, 2-core AMD EPYC (AVX2): 512 envs (16384-sample
-      minibatches) +15 % through run_batch; same-process A/Bs: 4096 samples +5 %, 8192 +14 %; but
-      2048 +1 %, 256 (Pendulum) +2 %, 128 (the classic config) -8 %. On a 2-core Intel Xeon with
-      AVX-512: -4 to -7 % at 4096, 8192 and 16384 samples, so YNNPACK stays on there.
-    Both are in README, Speed. Accelerators keep XLA's defaults."""
+      (speed; with AVX-512 YNNPACK is faster at every size, and stays on).
+    Accelerators keep XLA's defaults. Figures: docs/speed.md."""
     if jax.default_backend() != "cpu":
         return None
     options = {"xla_backend_optimization_level": 1}
@@ -1825,9 +1816,7 @@ def xla_options(config: Config | None = None) -> dict[str, Any] | None:
 def init_xla_options() -> dict[str, Any] | None:
     """Options for compiling the init program, which runs once, so that only its compile time counts.
     On CPU: LLVM at optimisation level 0, and XLA's older loop emitters, which compile faster than its
-    fusion emitters and make slower loops (see xla_options). The classic config's init: XLA 1.1 ->
-    0.45 s (CPU time 1.9 -> 0.6 s), which leaves the cold compile 0.3-0.5 s shorter (README, Speed).
-    Unoptimised code forms no fused multiply-adds, so the init's floats can differ in the last bits
+    fusion emitters and make slower loops (see xla_options). Unoptimised code forms no fused multiply-adds, so the init's floats can differ in the last bits
     from those of an optimised compile: of make_train jitted as one program, say."""
     if jax.default_backend() != "cpu":
         return None
@@ -1836,10 +1825,9 @@ def init_xla_options() -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cyclic garbage collector off inside the block (speed: tracing a program allocates
-    many short-lived objects, and the collector's passes over them took ~13 % of lowering the
-    classic config's update program: 0.74-0.77 -> 0.64-0.69 s). What the block leaves is collected
-    as usual afterwards."""
+    """Python's cyclic garbage collector off inside the block (compile time: tracing a program
+    allocates many short-lived objects, and the collector's passes over them are wasted). What the
+    block leaves is collected as usual afterwards."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -1928,9 +1916,8 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
         hparams_axes = jax.tree.map(lambda v: 0 if v else None, varies)
         init_batch = jax.vmap(init, in_axes=(0, hparams_axes))
         advance_batch = jax.vmap(lambda state, hp, n: advance(state, hp, length, n), in_axes=(0, hparams_axes, None))
-    # The chunk program's input state is donated to its output on accelerators (memory). Not on CPU:
-    # there, same-process A/Bs at 512 envs ran 165 -> 173 and 171 -> 176 ms per update with it
-    # (64 envs +2 %, 4 envs the same), and a state's extra copy in host memory is small.
+    # The chunk program's input state is donated to its output on accelerators (memory). Not on CPU,
+    # where donating ran slower and a state's extra copy in host memory is small.
     donated = () if jax.default_backend() == "cpu" else 0
     batched, replicated = PartitionSpec("batch"), PartitionSpec()
     env_leaves = PartitionSpec("batch", ENV_AXIS)  # [agents, envs, ...]
@@ -1965,7 +1952,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
                      for i in range(num_groups)]
     timer = time.perf_counter()
     # Compile time: XLA compiles the init program on a second thread while this one lowers the chunk
-    # program (Python, one core). Measured here: ~1 s less of a ~7.5 s cold compile on 2 cores.
+    # program (Python, one core).
     with collector_paused(), concurrent.futures.ThreadPoolExecutor(1) as pool:
         lowered_init = init_batch.lower(group_keys[0], group_hparams[0])
         init_compiled = pool.submit(lowered_init.compile, init_xla_options())

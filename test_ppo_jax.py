@@ -122,13 +122,16 @@ def test_truncation_bootstraps_and_termination_does_not():
     assert float(terminated_adv[0, 0]) == pytest.approx(r - v)
 
 
-def test_clipped_surrogate_gradient_wrt_ratio():
+def test_policy_objective_gradient_wrt_ratio_and_its_clip_region():
     eps = 0.2
-    grad = jax.vmap(jax.grad(P.clipped_surrogate), in_axes=(0, 0, None))
+    hparams = P.HParams(clip_eps=eps)
+    grad = jax.vmap(jax.grad(lambda r, a: P.policy_objective(r, a, hparams)[0]))
     ratios = jnp.array([0.5, 0.79, 0.9, 1.0, 1.1, 1.21, 1.5])
     inside = (ratios > 1 - eps) & (ratios < 1 + eps)
+    np.testing.assert_array_equal(P.policy_objective(ratios, jnp.ones_like(ratios), hparams)[1], ~inside)
+    assert not np.any(P.policy_objective(ratios, jnp.ones_like(ratios), P.HParams(clip_eps=0.0))[1])
     for advantage in (2.0, -3.0):
-        g = np.asarray(grad(ratios, jnp.full_like(ratios, advantage), eps))
+        g = np.asarray(grad(ratios, jnp.full_like(ratios, advantage)))
         np.testing.assert_allclose(g[np.asarray(inside)], advantage)  # inside: d/dr (r * A) = A
         # Outside the clip range the objective is flat on the side the advantage's sign favours ...
         flat_side = ratios >= 1 + eps if advantage > 0 else ratios <= 1 - eps
