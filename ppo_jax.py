@@ -12,7 +12,7 @@ jax.jit; seeds and whole hyperparameter grids are vmapped inside that one progra
 
 Where to hack (the four rules a change must keep are in HParams' docstring):
     surrogate objective      policy_objective       the loss (Eq. 9)       ppo_loss
-    advantages, returns      compute_gae            value loss             value_loss
+    advantages, returns      estimate_advantages (GAE: compute_gae)        value loss: value_loss
     PPO-Penalty's beta       adaptive_kl_coef       learning-rate schedule learning_rate
     network, distributions   ActorCritic, Categorical, DiagGaussian
     rollout, reward shaping  step_envs, process_rollout
@@ -22,8 +22,8 @@ Where to hack (the four rules a change must keep are in HParams' docstring):
     metrics                  update_step's `metrics` (every key reaches metrics.csv)
     a hyperparameter         a field of HParams (traced: swept without recompiling)
 
-Sections: 1 Config and HParams; 2 Environment; 3 Network; 4 Math; 5 Training; 6 Running and sweeps;
-7 Outputs; 8 Evaluation; 9 CLI. What each speed device is for, with its figures: docs/speed.md.
+Sections: 1 HParams and Config; 2 the PPO (network, rollout, advantages, loss, update, make_train);
+3 environments; 4 running; 5 sweeps; 6 outputs; 7 evaluation; 8 CLI; 9 speed (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -53,64 +53,37 @@ from typing import Annotated, Any, Literal, Sequence
 
 import jax
 
-# Run CPU programs in the calling thread: a whole run is one call, so asynchronous dispatch buys
-# nothing, and long programs handed to jax's CPU thread pool sometimes never returned on this 2-core
-# machine (every thread idle, block_until_ready waiting forever). It takes effect only if set before
-# the CPU backend starts, and importing gymnax starts it: hence here, above the other imports.
+# Platform set-up: each line takes effect only before the CPU backend starts, which importing gymnax
+# does. A run is one call, so async dispatch buys nothing (and its thread pool sometimes never
+# returned on a 2-core machine).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # the cores this process may run on (Linux)
-    except AttributeError:
-        return os.cpu_count() or 1
+def usable_cores() -> int:  # the cores this process may run on
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-# One JAX CPU device per core (unless the user chose a count: JAX_NUM_CPU_DEVICES, or XLA's
-# xla_force_host_platform_device_count), so that a batch of agents (seeds, sweep points) is sharded
-# over the cores as over GPUs: each device runs its share of the agents as its own program, side by
-# side (XLA's CPU runtime runs one program's small kernels one after the other). Where agents are
-# fewer than devices, each agent's envs are sharded over several (run_batch, --env-devices). Like the
-# async-dispatch switch above, it must be set before the CPU backend starts (imported after JAX has
-# run something, ppo_jax keeps the devices there are). Figures: docs/speed.md.
-if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
-        "XLA_FLAGS", ""):
-    try:
+# One CPU device per core (unless the user chose a count): a batch of agents is sharded over the
+# cores as over GPUs (docs/speed.md). Imported after JAX started, ppo_jax keeps the devices there are.
+if "JAX_NUM_CPU_DEVICES" not in os.environ and "host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    with contextlib.suppress(RuntimeError):  # the backends are already up
         jax.config.update("jax_num_cpu_devices", usable_cores())
-    except RuntimeError:  # the backends are already up
-        pass
 
 
-class DeferredModule(types.ModuleType):
-    """Stands in for a module (in sys.modules, while imports_deferred's block runs) and imports the
-    real one when an attribute of it is first asked for."""
-
+class DeferredModule(types.ModuleType):  # a stand-in that imports the real module when first used
     def __getattr__(self, attr):
         if sys.modules.get(self.__name__) is self:
             del sys.modules[self.__name__]
         return getattr(importlib.import_module(self.__name__), attr)
 
 
-@contextlib.contextmanager
-def imports_deferred(*names: str):
-    """Inside the block, `import name` gives a DeferredModule: the real module is imported only if
-    used. After it, the names import as usual. Start-up time: gymnax's package imports every env, and
-    its Pong imports seaborn (for rendering), which imports scipy.stats and pandas; nothing in
-    ppo_jax renders with it."""
-    stubs = [name for name in names if name not in sys.modules]
-    for name in stubs:
-        sys.modules[name] = DeferredModule(name)
-    try:
-        yield
-    finally:
-        for name in stubs:
-            if isinstance(sys.modules.get(name), DeferredModule):
-                del sys.modules[name]
+# Start-up time: gymnax's Pong imports seaborn (for rendering only), which imports scipy.stats and
+# pandas; it gets a stand-in, and `import seaborn` after gymnax's import is the real module.
+_stand_in = "seaborn" not in sys.modules and sys.modules.setdefault("seaborn", DeferredModule("seaborn"))
+import gymnax  # noqa: E402
 
-
-with imports_deferred("seaborn"):
-    import gymnax  # noqa: E402
+if _stand_in and sys.modules.get("seaborn") is _stand_in:
+    del sys.modules["seaborn"]
 
 import flax  # noqa: E402
 import flax.linen as nn  # noqa: E402
@@ -129,7 +102,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 
 # ================================================================================================
-# 1. Config and HParams
+# 1. Hyperparameters and configuration
 # ================================================================================================
 
 
@@ -330,6 +303,8 @@ class Config:
 # Defaults per environment family. CartPole is the classic PPO config (CleanRL / the 37 details),
 # which is also Config's own default. Pendulum was tuned here: see docs/results.md.
 CLASSIC_DISCRETE: dict[str, Any] = {}
+
+
 CLASSIC_CONTINUOUS: dict[str, Any] = dict(
     total_timesteps=1_000_000,
     num_envs=16,
@@ -338,6 +313,8 @@ CLASSIC_CONTINUOUS: dict[str, Any] = dict(
     num_minibatches=16,
     hparams=dict(lr=1e-3, gamma=0.95, ent_coef=0.0, max_grad_norm=0.5),
 )
+
+
 MINATAR: dict[str, Any] = dict(  # a shared conv + 128 torso, many envs (PPO paper's Atari setup, scaled down)
     total_timesteps=10_000_000,
     num_envs=128,
@@ -349,6 +326,8 @@ MINATAR: dict[str, Any] = dict(  # a shared conv + 128 torso, many envs (PPO pap
     shared_trunk=True,
     hparams=dict(lr=5e-4, ent_coef=0.03),
 )
+
+
 BRAX: dict[str, Any] = dict(  # the PPO paper's MuJoCo setup (Table 3), spread over many parallel envs as Brax runs it
     total_timesteps=50_000_000,
     num_envs=2048,
@@ -357,6 +336,8 @@ BRAX: dict[str, Any] = dict(  # the PPO paper's MuJoCo setup (Table 3), spread o
     num_minibatches=32,
     hparams=dict(lr=3e-4, gamma=0.99, ent_coef=0.0, norm_obs=True, scale_reward=True),
 )
+
+
 ENV_DEFAULTS: dict[str, dict[str, Any]] = {
     "CartPole-v1": CLASSIC_DISCRETE,
     "Acrobot-v1": CLASSIC_DISCRETE,
@@ -386,277 +367,16 @@ def default_config(env_id: str) -> Config:
 
 
 # ================================================================================================
-# 2. Environment
+# 2. The PPO: network -> rollout -> advantages -> objective and loss -> update -> make_train
 # ================================================================================================
+# --- the network and its action distributions --------------------------------------------------
 
 
-@struct.dataclass
-class EnvState:
-    env_state: Any  # the gymnax state, batched over envs
-    episode_return: jax.Array  # [N] return of the running episode so far
-    episode_length: jax.Array  # [N]
-
-    @property
-    def first(self):  # [N] bool: the current observation begins an episode (a recurrent policy resets there)
-        return self.episode_length == 0
-
-
-def override_env_params(env_params, overrides: Sequence[str]):
-    """Apply "name=value" overrides to a gymnax EnvParams, keeping each field's type (number or string)."""
-    fields = {field.name: getattr(env_params, field.name) for field in dataclasses.fields(env_params)}
-    changes = {}
-    for item in overrides:
-        name, _, text = item.partition("=")
-        if name not in fields or not text:
-            raise ConfigError(f"--env-params {item!r}: give name=value with a name from {sorted(fields)}")
-        kind = type(fields[name]) if isinstance(fields[name], bool | int | float | str) else float
-        try:
-            changes[name] = text.lower() in ("1", "true") if kind is bool else kind(text)
-        except ValueError:
-            raise ConfigError(f"--env-params {item!r}: {name} needs a {kind.__name__} value") from None
-    return env_params.replace(**changes)
-
-
-# --- Brax (optional): `--env brax:NAME` -----------------------------------------------------------
-# A Brax env seen through gymnax's interface, so VecEnv and everything after it treat it as any other
-# continuous-control env. brax is imported only here, only when asked for.
-
-BRAX_PREFIX = "brax:"
-BRAX_BACKENDS = ("generalized", "positional", "spring", "mjx")
-BRAX_INSTALL = "pip install -r requirements-brax.txt"
-
-
-@struct.dataclass
-class BraxEnvParams(GymnaxEnvParams):
-    max_steps_in_episode: int = 1000  # the time limit: truncation, flagged apart from termination
-    backend: str = struct.field(pytree_node=False, default="generalized")  # Brax's physics pipeline
-
-
-@struct.dataclass
-class BraxEnvState(GymnaxEnvState):  # and gymnax's `time`: steps since the reset
-    brax: Any = None  # brax.envs.State: the physics state, obs, reward, done
-
-
-class BraxEnv(GymnaxEnvironment):
-    """A raw Brax env (no Brax wrappers): Brax's `done` is the termination (e.g. a fallen hopper); the
-    time limit is gymnax's (state.time >= max_steps_in_episode: truncation), and resets are VecEnv's,
-    so the final observation is kept and truncation bootstraps. Actions are in [-1, 1]."""
-
-    def __init__(self, name: str, backend: str):
-        super().__init__()
-        from brax import envs as brax_envs  # the optional dependency
-
-        self.brax_name = name
-        self.brax_env = brax_envs.get_environment(name, backend=backend)
-
-    @property
-    def default_params(self) -> BraxEnvParams:
-        return BraxEnvParams()
-
-    def reset_env(self, key, params):
-        state = self.brax_env.reset(key)
-        return state.obs, BraxEnvState(brax=state, time=jnp.zeros((), jnp.int32))
-
-    def step_env(self, key, state, action, params):
-        brax_state = self.brax_env.step(state.brax, action)
-        next_state = BraxEnvState(brax=brax_state, time=state.time + 1)
-        return brax_state.obs, next_state, brax_state.reward, brax_state.done > 0.5, {}
-
-    @property
-    def name(self) -> str:
-        return BRAX_PREFIX + self.brax_name
-
-    def action_space(self, params=None):
-        return spaces.Box(-1.0, 1.0, (self.brax_env.action_size,), jnp.float32)
-
-    def observation_space(self, params):
-        return spaces.Box(-jnp.inf, jnp.inf, (self.brax_env.observation_size,), jnp.float32)
-
-
-def brax_names() -> list[str]:
-    from brax import envs as brax_envs
-
-    return sorted(brax_envs._envs)  # Brax's registry has no public listing
-
-
-def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
-    """(env, env_params) for a gymnax id or `brax:NAME`, with the --env-params overrides applied."""
-    if env_id.startswith(BRAX_PREFIX):
-        params = override_env_params(BraxEnvParams(), overrides)
-        return BraxEnv(env_id[len(BRAX_PREFIX):], params.backend), params
-    env, params = gymnax.make(env_id)
-    return env, override_env_params(params, overrides)
-
-
-def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
-    """Raise ConfigError for an unknown env id, a missing brax, or an unknown Brax backend."""
-    if env_id.startswith(BRAX_PREFIX):
-        try:
-            names = brax_names()
-        except ImportError:
-            raise ConfigError(f"--env {env_id} needs brax, which is not installed: {BRAX_INSTALL}") from None
-        if env_id[len(BRAX_PREFIX):] not in names:
-            raise ConfigError(f"--env {env_id!r}: Brax has no such env; it has "
-                              f"{', '.join(BRAX_PREFIX + name for name in names)}")
-        backend = override_env_params(BraxEnvParams(), overrides).backend
-        if backend not in BRAX_BACKENDS:
-            raise ConfigError(f"--env-params backend={backend}: Brax's backends are {', '.join(BRAX_BACKENDS)}")
-    elif env_id not in gymnax.registered_envs:
-        close = difflib.get_close_matches(env_id, gymnax.registered_envs, n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, or brax:NAME"
-        raise ConfigError(f"--env {env_id!r} is not a gymnax environment: {hint}")
-
-
-ENV_AXIS = "envs"  # the mesh axis over which run_batch shards an agent's envs (--env-devices)
-
-
-class VecEnv:
-    """A gymnax env vmapped over `num_envs`, with thin, pure additions: observations flattened to
-    float32 vectors; continuous actions clipped to the action space's bounds (the policy's log-prob
-    stays that of the unclipped sample); per-env episode return and length, reported in `info` at
-    the step an episode ends; and automatic resets to states drawn in advance.
-
-    gymnax's own `step` draws a reset state at every step (and throws it away unless the episode
-    ended): two threefry hashes per step, each a 5-iteration loop of small ops on CPU, which were
-    most of a CartPole step's cost. So VecEnv does the reset itself, from `resets` that a rollout
-    draws for all its steps in one vectorised call (`resets`). Same semantics: where an episode
-    ends, the next observation is a fresh start and `info["final_observation"]` the one before it.
-    An env that overrides gymnax's `step` (bsuite's DeepSea keeps metrics across resets) is stepped
-    through its own `step` instead. A Brax env's reset builds a physics state, too costly to draw for
-    every step: `resets` are then reset keys, and the envs are reset on the steps where one ended.
-
-    With shards > 1, the VecEnv is one device's share of an agent's envs, inside a shard_map over
-    ENV_AXIS (run_batch, --env-devices): it steps num_envs of the agent's num_envs x shards envs,
-    and its draws are those of the whole set, of which it keeps its own part (`own`), so each env
-    gets the same randomness as in an unsharded run.
-    """
-
-    def __init__(self, env_id: str, num_envs: int, env_params: Sequence[str] = (), shards: int = 1):
-        self.env, self.env_params = make_gymnax(env_id, env_params)
-        self.lazy_resets = isinstance(self.env, BraxEnv)
-        self.num_envs = num_envs  # the envs stepped here
-        self.shards = shards
-        action_space = self.env.action_space(self.env_params)
-        self.discrete = isinstance(action_space, spaces.Discrete)
-        if self.discrete:
-            self.action_dim = int(action_space.n)
-        else:
-            self.action_shape = tuple(action_space.shape)
-            self.action_dim = int(np.prod(self.action_shape))
-            self.action_low = np.broadcast_to(np.asarray(action_space.low, np.float32), self.action_shape)
-            self.action_high = np.broadcast_to(np.asarray(action_space.high, np.float32), self.action_shape)
-        self.obs_shape = tuple(self.env.observation_space(self.env_params).shape)
-        self.obs_dim = int(np.prod(self.obs_shape))
-        self.own_step = type(self.env).step is not GymnaxEnvironment.step
-
-    def _flat(self, obs):  # [..., *obs_shape] -> [..., obs_dim] float32
-        batch_shape = obs.shape[:obs.ndim - len(self.obs_shape)]
-        return obs.reshape(*batch_shape, self.obs_dim).astype(jnp.float32)
-
-    def _reset(self, keys):  # keys [..., N] -> flat obs [..., N, obs_dim], gymnax states [..., N]
-        reset = functools.partial(self.env.reset_env, params=self.env_params)
-        for _ in range(keys.ndim - 1):
-            reset = jax.vmap(reset)
-        obs, env_state = reset(keys)
-        return self._flat(obs), env_state
-
-    def own(self, x, axis: int = 1):
-        """This device's part of x, whose `axis` runs over all num_envs x shards envs (x itself unsharded)."""
-        if self.shards == 1:
-            return x
-        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(ENV_AXIS) * self.num_envs, self.num_envs, axis)
-
-    def reset(self, key) -> tuple[jax.Array, EnvState]:
-        obs, env_state = self._reset(self.own(jax.random.split(key, self.num_envs * self.shards), axis=0))
-        zeros = jnp.zeros(self.num_envs, jnp.float32)
-        return obs, EnvState(env_state, zeros, jnp.zeros(self.num_envs, jnp.int32))
-
-    def episode_limit(self, default: int = 10_000) -> int:
-        """The env's time limit in steps (`default` for an env without one)."""
-        return int(getattr(self.env_params, "max_steps_in_episode", default))
-
-    def resets(self, keys):
-        """Fresh starts for every env at each of num_steps steps, from keys [num_steps, all envs] (all:
-        num_envs x shards), in one vectorised call: (flat obs [num_steps, N, obs_dim], gymnax states
-        [num_steps, N]); with lazy resets (Brax), only their keys [num_steps, N]."""
-        keys = self.own(keys)
-        return keys if self.lazy_resets else self._reset(keys)
-
-    def draw_resets(self, key, num_steps: int):
-        """resets() from keys split from `key`."""
-        return self.resets(jax.random.split(key, (num_steps, self.num_envs * self.shards)))
-
-    def step(self, keys, state: EnvState, action, resets):
-        """keys: [N] keys for the env's own randomness; action: [N] int32 (discrete) or
-        [N, action_dim] float32 (continuous, unclipped); resets: one step of resets(), the
-        states envs whose episode ends now continue from."""
-        if not self.discrete:
-            action = jnp.clip(action.reshape(self.num_envs, *self.action_shape), self.action_low, self.action_high)
-        if self.own_step:
-            obs, env_state, reward, terminated, truncated, info = jax.vmap(
-                self.env.step, in_axes=(0, 0, 0, None)
-            )(keys, state.env_state, action, self.env_params)
-            final_obs, obs = self._flat(info["final_observation"]), self._flat(obs)
-        else:
-            final_obs, env_state, reward, terminated, _ = jax.vmap(
-                self.env.step_env, in_axes=(0, 0, 0, None)
-            )(keys, state.env_state, action, self.env_params)
-            truncated = jax.vmap(self.env.is_truncated, in_axes=(0, None))(env_state, self.env_params)
-            final_obs = obs = self._flat(final_obs)
-        reward = reward.astype(jnp.float32)
-        terminated = terminated.astype(bool)
-        truncated = truncated.astype(bool)
-        done = terminated | truncated
-        if not self.own_step:  # where an episode ended, continue from the drawn fresh start
-            select = jax.vmap(lambda d, fresh, old: jax.tree.map(lambda a, b: jax.lax.select(d, a, b), fresh, old))
-            if self.lazy_resets:  # reset only on steps where some episode ended (under vmap: always)
-                reset_ended = lambda: select(done, self._reset(resets), (obs, env_state))  # noqa: E731
-                obs, env_state = jax.lax.cond(jnp.any(done), reset_ended, lambda: (obs, env_state))
-            else:
-                obs, env_state = select(done, resets, (obs, env_state))
-        episode_return = state.episode_return + reward
-        episode_length = state.episode_length + 1
-        info = {
-            "final_observation": final_obs,
-            "episode_return": episode_return,  # meaningful where done
-            "episode_length": episode_length,
-        }
-        state = EnvState(
-            env_state,
-            jnp.where(done, 0.0, episode_return),
-            jnp.where(done, 0, episode_length),
-        )
-        return obs, state, reward, terminated, truncated, info
-
-
-# ================================================================================================
-# 3. Network, action distributions, running statistics
-# ================================================================================================
 # Closed-form distributions instead of distrax: distrax pulls in tfp-nightly and warns at import on
 # this jax, and each of these is a few lines that the tests check against scipy. Sampling is split
 # into noise(bits) and sample_from(noise) so that a rollout draws all its noise in one call, from
 # random bits drawn together with the rest of its randomness (draw_bits).
-
 LOG_2PI = math.log(2.0 * math.pi)
-
-
-def draw_bits(key, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
-    """uint32 random bits of each shape, from one call of the PRNG (threefry). A part with a raw key's
-    shape (key.shape) is a fresh key, as jax.random.split's are.
-
-    Written for compile time: on CPU each jax.random call compiles to its own loop of kernels, and
-    each kernel costs XLA compile time; an update draws its randomness in two calls, not six."""
-    sizes = [math.prod(shape) for shape in shapes]
-    flat = jax.random.bits(key, (sum(sizes),), jnp.uint32)
-    parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist())
-    return [part.reshape(shape) for part, shape in zip(parts, shapes)]
-
-
-def uniform_from_bits(bits, low: float = 0.0):
-    """float32 uniform on [low, 1) from uint32 bits (low < 1), exactly as jax.random.uniform makes it
-    from the same bits (its 23 high bits as the mantissa of a float in [1, 2))."""
-    floats = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
-    return jnp.maximum(jnp.float32(low), floats * jnp.float32(1.0 - low) + jnp.float32(low))
 
 
 @struct.dataclass
@@ -723,134 +443,6 @@ class DiagGaussian:
         return jnp.sum(other.log_std - self.log_std + 0.5 * (variance_ratio + mahalanobis - 1.0), axis=-1)
 
 
-def orthogonal(scale: float):
-    """Orthogonal init (Saxe et al., 2014), as flax's `orthogonal` but without LAPACK: the Q of a
-    Gaussian matrix's QR (diagonal of R positive) by Gram-Schmidt, each column projected twice. Why:
-    vmapped over stacked agents, flax's batched LAPACK QR deadlocked XLA's 2-thread CPU pool here
-    (both threads waiting on sub-tasks queued behind them), now and then, in long sweeps."""
-
-    def init(key, shape, dtype=jnp.float32):
-        rows, cols = math.prod(shape[:-1]), shape[-1]
-        tall = (rows, cols) if rows >= cols else (cols, rows)
-        columns = jax.random.normal(key, tall, dtype)
-
-        def orthonormalise(j, q):
-            earlier = (jnp.arange(tall[1]) < j).astype(dtype)  # columns already orthonormal
-            v = q[:, j]
-            v = v - q @ (earlier * (q.T @ v))
-            v = v - q @ (earlier * (q.T @ v))  # twice: orthogonal to float precision
-            return q.at[:, j].set(v / jnp.linalg.norm(v))
-
-        q = jax.lax.fori_loop(0, tall[1], orthonormalise, columns)
-        return scale * (q if rows >= cols else q.T).reshape(shape)
-
-    return init
-
-
-def kernel_grad(x, g, chunk: int):
-    """x^T g for x [n, D], g [n, F]: a dense layer's kernel gradient, a sum over the n rows.
-
-    Written for speed, on CPU (Dense calls it with chunk > 0): XLA's dot for x^T g, contracting over
-    the rows into a small kernel, runs at a fraction of the forward's FLOP/s there. For layers with
-    at least 64 inputs:
-    - a small kernel (at most 128 x 128) over at least 8 chunks of `chunk` rows: one batched dot
-      over the chunks, then a sum of the chunks' kernels;
-    - otherwise a narrow output (F <= D / 2: the heads, MinAtar's 1600 x 128) as g^T x, [F, D],
-      then transposed. The optimization barriers keep XLA from folding the transposes back into
-      the dot's layout, which undoes the gain.
-    Narrow inputs (CartPole's 4, the conv's 9C) and the rest stay one dot (no faster otherwise)."""
-    (n, inputs), outputs = x.shape, g.shape[1]
-    if inputs < 64:
-        return x.T @ g
-    if n % chunk == 0 and n >= 8 * chunk and inputs * outputs <= 128 * 128:
-        split = lambda a: a.reshape(n // chunk, chunk, a.shape[1])  # noqa: E731
-        return jnp.einsum("cri,crj->cij", split(x), split(g)).sum(0)
-    if 2 * outputs <= inputs:
-        barrier = jax.lax.optimization_barrier
-        return barrier(barrier(g.T) @ x).T
-    return x.T @ g
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def affine(x, kernel, bias, grad_chunk: int):
-    """x [..., D] @ kernel [D, F] + bias [F], its kernel gradient by kernel_grad (with grad_chunk)."""
-    return x @ kernel + bias
-
-
-def _affine_forward(x, kernel, bias, grad_chunk):
-    return x @ kernel + bias, (x, kernel)
-
-
-def _affine_backward(grad_chunk, residuals, g):
-    x, kernel = residuals
-    rows, cols = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    return g @ kernel.T, kernel_grad(rows, cols, grad_chunk), cols.sum(0)
-
-
-affine.defvjp(_affine_forward, _affine_backward)
-
-
-class Dense(nn.Module):
-    """flax's nn.Dense (same parameters, names and initialisation: kernel [D, F], zero bias) through
-    `affine`, for its kernel gradient by kernel_grad; with grad_chunk 0, nn.Dense's matmul and gradient.
-
-    Written for compile time: applied, it reads its parameters with get_variable, not param(), which
-    at every apply traces the initializer (jax.eval_shape) to check the stored shape, and the update
-    program applies the network five times. Parameters come from init, or from a file that
-    read_policies / load_checkpoint check against this network."""
-
-    features: int
-    kernel_init: Any
-    grad_chunk: int = 0
-
-    @nn.compact
-    def __call__(self, x):
-        if self.is_initializing():
-            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
-            bias = self.param("bias", nn.initializers.zeros, (self.features,))
-        else:  # compile time: flax's param() would trace the initializer again, to check the shape
-            kernel, bias = self.get_variable("params", "kernel"), self.get_variable("params", "bias")
-        if not self.grad_chunk:  # JAX's own gradient of the matmul, as nn.Dense's (accelerators)
-            return x @ kernel + bias
-        return affine(x, kernel, bias, self.grad_chunk)
-
-
-class GRU(nn.Module):
-    """A GRU (Cho et al., 2014; the form of cuDNN and PyTorch, the reset gate applied after the
-    recurrent matmul) over a time-major sequence, its state set to zero where an episode begins:
-        h  = 0 where first_t, else h_{t-1}
-        r  = sigmoid(W_r x_t + b_r + U_r h + c_r),   z = sigmoid(W_z x_t + b_z + U_z h + c_z)
-        n  = tanh(W_n x_t + b_n + r * (U_n h + c_n)),   h_t = (1 - z) * n + z * h
-    The input projection of every step is one matmul before the scan (speed): only U h is sequential."""
-
-    size: int
-    kernel_init: Any
-    grad_chunk: int = 0  # its input projection's (Dense)
-
-    @nn.compact
-    def __call__(self, inputs, first, hidden):  # [T, B, D], [T, B] bool, [B, H] -> states after each step [T, B, H]
-        size = self.size
-        projected = Dense(3 * size, self.kernel_init, self.grad_chunk, name="input")(inputs)  # [T, B, 3H]: W x + b
-
-        def blocks(key, shape):  # U_r, U_z, U_n each initialised on its own (each orthogonal when that is the init)
-            return jnp.concatenate([self.kernel_init(k, (size, size)) for k in jax.random.split(key, 3)], axis=-1)
-
-        recurrent_kernel = self.param("recurrent_kernel", blocks, (size, 3 * size))
-        recurrent_bias = self.param("recurrent_bias", nn.initializers.zeros, (3 * size,))
-
-        def step(h, inputs):
-            x, first = inputs
-            h = jnp.where(first[:, None], 0.0, h)
-            u = h @ recurrent_kernel + recurrent_bias
-            r = nn.sigmoid(x[:, :size] + u[:, :size])
-            z = nn.sigmoid(x[:, size:2 * size] + u[:, size:2 * size])
-            n = jnp.tanh(x[:, 2 * size:] + r * u[:, 2 * size:])
-            h = (1.0 - z) * n + z * h
-            return h, h
-
-        return jax.lax.scan(step, hidden, (projected, first))[1]
-
-
 class ActorCritic(nn.Module):
     """Actor and critic MLPs (separate, or one shared trunk), after a shared conv torso when
     image_shape is given and a shared GRU when recurrent_size > 0. Orthogonal init: sqrt(2) on
@@ -910,6 +502,42 @@ class ActorCritic(nn.Module):
         return hiddens, DiagGaussian(policy_out, jnp.broadcast_to(log_std, policy_out.shape)), values
 
 
+class GRU(nn.Module):
+    """A GRU (Cho et al., 2014; the form of cuDNN and PyTorch, the reset gate applied after the
+    recurrent matmul) over a time-major sequence, its state set to zero where an episode begins:
+        h  = 0 where first_t, else h_{t-1}
+        r  = sigmoid(W_r x_t + b_r + U_r h + c_r),   z = sigmoid(W_z x_t + b_z + U_z h + c_z)
+        n  = tanh(W_n x_t + b_n + r * (U_n h + c_n)),   h_t = (1 - z) * n + z * h
+    The input projection of every step is one matmul before the scan (speed): only U h is sequential."""
+
+    size: int
+    kernel_init: Any
+    grad_chunk: int = 0  # its input projection's (Dense)
+
+    @nn.compact
+    def __call__(self, inputs, first, hidden):  # [T, B, D], [T, B] bool, [B, H] -> states after each step [T, B, H]
+        size = self.size
+        projected = Dense(3 * size, self.kernel_init, self.grad_chunk, name="input")(inputs)  # [T, B, 3H]: W x + b
+
+        def blocks(key, shape):  # U_r, U_z, U_n each initialised on its own (each orthogonal when that is the init)
+            return jnp.concatenate([self.kernel_init(k, (size, size)) for k in jax.random.split(key, 3)], axis=-1)
+
+        recurrent_kernel = self.param("recurrent_kernel", blocks, (size, 3 * size))
+        recurrent_bias = self.param("recurrent_bias", nn.initializers.zeros, (3 * size,))
+
+        def step(h, inputs):
+            x, first = inputs
+            h = jnp.where(first[:, None], 0.0, h)
+            u = h @ recurrent_kernel + recurrent_bias
+            r = nn.sigmoid(x[:, :size] + u[:, :size])
+            z = nn.sigmoid(x[:, size:2 * size] + u[:, size:2 * size])
+            n = jnp.tanh(x[:, 2 * size:] + r * u[:, 2 * size:])
+            h = (1.0 - z) * n + z * h
+            return h, h
+
+        return jax.lax.scan(step, hidden, (projected, first))[1]
+
+
 def policy_step(network: ActorCritic, params, obs, first, hidden):
     """One step for a batch of envs, recurrent or not: obs [B, obs_dim], first [B] (bool), hidden
     [B, H] -> (hidden after the step [B, H], distribution over [B] actions, values [B])."""
@@ -962,72 +590,7 @@ def observe(policy_obs_stats: RunningStats, raw_obs, hparams: HParams):
     return jnp.where(hparams.norm_obs, policy_obs_stats.normalize(raw_obs, hparams.clip_obs), raw_obs)
 
 
-# ================================================================================================
-# 4. Math: pure functions, each tested alone
-# ================================================================================================
-
-
-def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lambda):
-    """Generalised advantage estimation (Schulman et al., 2016; PPO paper, Eq. 11-12).
-
-    All arrays are time-major [T, N]. `next_values[t]` is the critic's value of the true next
-    state: of the final observation where an episode ended at t, of the next observation otherwise.
-    Truncation (a time limit) bootstraps from it; termination does not:
-        delta_t = r_t + gamma * (1 - terminated_t) * next_values_t - values_t
-        A_t     = delta_t + gamma * lambda * (1 - dones_t) * A_{t+1}
-    Returns (advantages, targets = advantages + values), both [T, N].
-    """
-    not_terminated = 1.0 - terminated.astype(jnp.float32)
-    not_done = 1.0 - dones.astype(jnp.float32)
-    deltas = rewards + gamma * not_terminated * next_values - values
-
-    def backward(next_advantage, step):
-        delta, continues = step
-        advantage = delta + gamma * gae_lambda * continues * next_advantage
-        return advantage, advantage
-
-    _, advantages = jax.lax.scan(backward, jnp.zeros_like(deltas[0]), (deltas, not_done), reverse=True)
-    return advantages, advantages + values
-
-
-def policy_objective(ratio, advantages, hparams: HParams):
-    """The per-sample surrogate objective, to be maximised, and where its clip acts -> (objective,
-    clipped), both [B]. PPO paper, Eq. 7: min(r A, clip(r, 1 - eps, 1 + eps) A); clip_eps 0 (or
-    inf): the unclipped surrogate r A (Table 1's baseline). `clipped` marks the samples whose ratio
-    lies outside the band (the clip_frac metric). A new surrogate replaces this function alone."""
-    eps = hparams.clip_eps
-    objective = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - eps, 1.0 + eps) * advantages)
-    clipped = (jnp.abs(ratio - 1.0) > eps) & (eps > 0)
-    return jnp.where(eps > 0, objective, ratio * advantages), clipped
-
-
-def value_loss(values, old_values, targets, clip_eps, clip_vloss):
-    """0.5 * squared error; with `clip_vloss` (and clipping on) the OpenAI-baselines clipped form."""
-    unclipped = (values - targets) ** 2
-    clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
-    clipped = jnp.maximum(unclipped, (clipped_values - targets) ** 2)
-    return 0.5 * jnp.mean(jnp.where(clip_vloss & (clip_eps > 0), clipped, unclipped))
-
-
-def adaptive_kl_coef(kl_coef, kl, kl_target):
-    """PPO paper, Sec. 4: halve beta when KL < d_targ / 1.5, double it when KL > 1.5 d_targ."""
-    return jnp.where(kl < kl_target / 1.5, kl_coef / 2.0, jnp.where(kl > kl_target * 1.5, kl_coef * 2.0, kl_coef))
-
-
-def explained_variance(predictions, targets):
-    """1 - Var[targets - predictions] / Var[targets]: 1 is perfect, 0 no better than the mean."""
-    return 1.0 - jnp.var(targets - predictions) / jnp.var(targets)
-
-
-def learning_rate(hparams: HParams, update, num_updates):
-    """The learning rate during (0-based) update `update`: linear annealing as in CleanRL."""
-    fraction_left = 1.0 - update / num_updates
-    return hparams.lr * jnp.where(hparams.anneal_lr, fraction_left, 1.0)
-
-
-# ================================================================================================
-# 5. Training: one jit, one lax.scan over updates
-# ================================================================================================
+# --- the rollout ---------------------------------------------------------------------------------
 
 
 @struct.dataclass
@@ -1066,70 +629,6 @@ class Transition:  # every field time-major [T, N, ...]
     episode_length: jax.Array
 
 
-@struct.dataclass
-class Batch:  # flat [B, ...]; recurrent: time-major [T, N, ...], whole env sequences
-    obs: jax.Array
-    first: jax.Array | None  # recurrent only: [T, N] reset flags
-    hidden: jax.Array | None  # recurrent only: [N, H] the state each sequence starts from
-    action: jax.Array
-    log_prob: jax.Array
-    dist: Any
-    value: jax.Array
-    advantages: jax.Array
-    targets: jax.Array
-
-
-ADAM_B1, ADAM_B2 = 0.9, 0.999  # optax's defaults
-
-
-def make_optimizer(hparams: HParams):
-    """Global-norm clipping, then Adam, on the flat parameter vector (see update_step): this gives the
-    optimizer's state (tx.init); its step is adam_step, the same formulas written out. The learning
-    rate is applied by minibatch_step, so an update whose steps --target-kl skipped does not shift
-    the schedule."""
-    return optax.chain(optax.clip_by_global_norm(hparams.max_grad_norm), optax.scale_by_adam(b1=ADAM_B1, b2=ADAM_B2,
-                                                                                            eps=hparams.adam_eps))
-
-
-def adam_step(grads, grad_norm, opt_state, hparams: HParams, stopped):
-    """make_optimizer's update on the flat vector -> (step direction, new state): optax's
-    clip_by_global_norm and scale_by_adam formula for formula (a test checks it against tx.update,
-    bit for bit), except that a stopped step (--target-kl) keeps Adam's moments and count as they were.
-
-    Written for speed: the stop mask selects the moments before the step is computed from them, so
-    XLA makes one fused pass over the state where tx.update and a select between its new state and
-    the old one made more."""
-    clip_state, adam = opt_state
-    g = jnp.where(grad_norm < hparams.max_grad_norm, grads, grads / grad_norm * hparams.max_grad_norm)
-    mu = jnp.where(stopped, adam.mu, (1 - ADAM_B1) * g + ADAM_B1 * adam.mu)
-    nu = jnp.where(stopped, adam.nu, (1 - ADAM_B2) * (g * g) + ADAM_B2 * adam.nu)
-    count = optax.safe_increment(adam.count)  # as optax: >= 1, so a stopped step's direction stays finite
-    direction = (mu / (1 - ADAM_B1**count)) / (jnp.sqrt(nu / (1 - ADAM_B2**count)) + hparams.adam_eps)
-    return direction, (clip_state, adam._replace(count=jnp.where(stopped, adam.count, count), mu=mu, nu=nu))
-
-
-# An agent's envs sharded over `shards` devices (run_batch, --env-devices): each device runs the
-# same program on its own envs inside a shard_map over ENV_AXIS, and these two combine the devices'
-# parts. Unsharded (shards 1) both are the identity.
-
-
-def gather_envs(tree, shards: int, axis: int = 1):
-    """Every device's part of `tree` along `axis` (its env axis), in env order: the whole agent's."""
-    if shards == 1:
-        return tree
-    return jax.tree.map(lambda x: jax.lax.all_gather(x, ENV_AXIS, axis=axis, tiled=True), tree)
-
-
-def over_shards(collective, tree, shards: int):
-    """`collective` (jax.lax.pmean or psum) of a pytree of float32 values over the devices.
-    Speed: the tree is raveled into one vector, so that a gradient step waits on one all-reduce, not
-    one per leaf (a collective between devices costs the same whatever it moves)."""
-    if shards == 1:
-        return tree
-    flat, unravel = ravel_pytree(tree)
-    return unravel(collective(flat, ENV_AXIS))
-
-
 def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams):
     """A lax.scan over num_steps of (policy forward, sample, vmapped env step), then the reward
     processing of the whole rollout at once -> (state, [T, N] Transition): step_envs, then
@@ -1151,15 +650,9 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
 
 def step_envs(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams):
     """The rollout's lax.scan -> (state, [T, N] Transition as the envs gave it: raw observations,
-    final observations and rewards; no log_prob or ref_kl yet)."""
-    distribution = Categorical if env.discrete else DiagGaussian
-    all_envs, key_shape = env.num_envs * env.shards, state.key.shape
-    key, noise_bits, step_keys, reset_keys = draw_bits(state.key, [  # one PRNG call (compile time: draw_bits)
-        key_shape, (num_steps, all_envs, env.action_dim), (num_steps, all_envs, *key_shape),
-        (num_steps, all_envs, *key_shape)])
-    noise = env.own(distribution.noise(noise_bits))
-    step_keys = env.own(step_keys)
-    resets = env.resets(reset_keys)
+    final observations and rewards; no log_prob or ref_kl yet). Its randomness is drawn before it:
+    each step's action noise (the action is dist.sample_from(noise)), env keys and fresh starts."""
+    key, noise, step_keys, resets = rollout_randomness(state.key, env, num_steps)
 
     def step(carry, inputs):
         env_state, raw_obs, hidden, running_return = carry
@@ -1227,6 +720,72 @@ def process_rollout(state: TrainState, traj: Transition, env: VecEnv, network: A
     return state, traj
 
 
+# --- advantages ----------------------------------------------------------------------------------
+
+
+def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lambda):
+    """Generalised advantage estimation (Schulman et al., 2016; PPO paper, Eq. 11-12).
+
+    All arrays are time-major [T, N]. `next_values[t]` is the critic's value of the true next
+    state: of the final observation where an episode ended at t, of the next observation otherwise.
+    Truncation (a time limit) bootstraps from it; termination does not:
+        delta_t = r_t + gamma * (1 - terminated_t) * next_values_t - values_t
+        A_t     = delta_t + gamma * lambda * (1 - dones_t) * A_{t+1}
+    Returns (advantages, targets = advantages + values), both [T, N].
+    """
+    not_terminated = 1.0 - terminated.astype(jnp.float32)
+    not_done = 1.0 - dones.astype(jnp.float32)
+    deltas = rewards + gamma * not_terminated * next_values - values
+
+    def backward(next_advantage, step):
+        delta, continues = step
+        advantage = delta + gamma * gae_lambda * continues * next_advantage
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(deltas[0]), (deltas, not_done), reverse=True)
+    return advantages, advantages + values
+
+
+def estimate_advantages(params, traj: Transition, config: Config, env: VecEnv, network: ActorCritic,
+                        hparams: HParams):
+    """The update's advantages and value targets, both [T, N]: GAE from the critic's value of every
+    step's true next state (one batched pass of one step each, continuing from the state after that
+    step; where no episode ended, final_obs is simply the next observation). Truncation bootstraps
+    unless --no-bootstrap-truncation. Another advantage estimator replaces this function."""
+    steps, slices = config.num_steps * env.num_envs, slices_per_pass(config, env.shards)  # this device's envs
+
+    def next_value(part):  # (final observations, hidden states) of some steps -> their values
+        obs, hidden = part
+        return policy_step(network, params, obs, jnp.zeros(len(obs), bool), hidden)[2]
+
+    final = (traj.final_obs.reshape(steps, -1), traj.hidden.reshape(steps, -1))
+    next_values = over_slices(next_value, final, slices).reshape(config.num_steps, env.num_envs)
+    terminated = jnp.where(hparams.bootstrap_truncation, traj.terminated, traj.done)
+    return compute_gae(traj.reward, traj.value, next_values, terminated, traj.done, hparams.gamma, hparams.gae_lambda)
+
+
+# --- the objective and the loss (PPO paper, Eq. 7-9) ---------------------------------------------
+
+
+def policy_objective(ratio, advantages, hparams: HParams):
+    """The per-sample surrogate objective, to be maximised, and where its clip acts -> (objective,
+    clipped), both [B]. PPO paper, Eq. 7: min(r A, clip(r, 1 - eps, 1 + eps) A); clip_eps 0 (or
+    inf): the unclipped surrogate r A (Table 1's baseline). `clipped` marks the samples whose ratio
+    lies outside the band (the clip_frac metric). A new surrogate replaces this function alone."""
+    eps = hparams.clip_eps
+    objective = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - eps, 1.0 + eps) * advantages)
+    clipped = (jnp.abs(ratio - 1.0) > eps) & (eps > 0)
+    return jnp.where(eps > 0, objective, ratio * advantages), clipped
+
+
+def value_loss(values, old_values, targets, clip_eps, clip_vloss):
+    """0.5 * squared error; with `clip_vloss` (and clipping on) the OpenAI-baselines clipped form."""
+    unclipped = (values - targets) ** 2
+    clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
+    clipped = jnp.maximum(unclipped, (clipped_values - targets) ** 2)
+    return 0.5 * jnp.mean(jnp.where(clip_vloss & (clip_eps > 0), clipped, unclipped))
+
+
 def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_coef):
     """PPO loss on one minibatch (or a slice of it): clipped surrogate (Eq. 7), KL penalty (Eq. 8),
     value loss and entropy bonus (Eq. 9); negated for minimisation. Which terms act is data: their
@@ -1251,158 +810,33 @@ def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_co
     return total, diagnostics
 
 
-def over_slices(fn, batch, slices: int, mean: bool = False):
-    """fn(batch) computed on `slices` equal consecutive slices of a flat batch (a pytree of [B, ...]
-    arrays), its outputs concatenated; with mean=True, for an fn whose outputs are means over the
-    samples (a loss, its gradient, diagnostics), averaged instead.
-
-    Written for speed, on CPU: on a big minibatch the network's activations are larger than a core's
-    cache, and one op on them uses the cores poorly. Each slice's computation is its own piece of
-    the program (a Python loop: unrolled), cache-sized, and independent of the others, so XLA runs
-    them side by side on the cores."""
-    if slices == 1:
-        return fn(batch)
-    size = jax.tree.leaves(batch)[0].shape[0] // slices
-    fn = jax.jit(fn)  # traced once for every slice (compile time)
-    parts = [fn(jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch)) for i in range(slices)]
-    if mean:
-        return jax.tree.map(lambda *values: sum(values) / slices, *parts)
-    return jax.tree.map(lambda *values: jnp.concatenate(values), *parts)
+def adaptive_kl_coef(kl_coef, kl, kl_target):
+    """PPO paper, Sec. 4: halve beta when KL < d_targ / 1.5, double it when KL > 1.5 d_targ."""
+    return jnp.where(kl < kl_target / 1.5, kl_coef / 2.0, jnp.where(kl > kl_target * 1.5, kl_coef * 2.0, kl_coef))
 
 
-def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_coef, slices: int, shards: int = 1):
-    """One gradient step on the flat parameter vector (`unravel` gives the network's params), unless
-    --target-kl has stopped this update (a mask, not a branch, so the whole update stays one program).
-    Its gradient is computed in `slices` slices (--slices). With sharded envs, `minibatch` is this
-    device's part of it, and the gradient and diagnostics are averaged over the devices (the parts
-    are equal), so that every device takes the same step."""
-    flat_params, opt_state, stopped = carry
-    grad = jax.grad(lambda flat, part: ppo_loss(unravel(flat), network, part, hparams, kl_coef), has_aux=True)
-    grads, diagnostics = over_slices(lambda part: grad(flat_params, part), minibatch, slices, mean=True)
-    grads, diagnostics = over_shards(jax.lax.pmean, (grads, diagnostics), shards)
-    stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
-    diagnostics["grad_norm"] = jnp.sqrt(jnp.sum(grads**2))  # before clipping; non-finite: see the NaN guard
-    direction, opt_state = adam_step(grads, diagnostics["grad_norm"], opt_state, hparams, stopped)
-    flat_params = flat_params - jnp.where(stopped, 0.0, lr) * direction  # a stopped step leaves params as they were
-    diagnostics["grad_steps"] = 1.0 - stopped.astype(jnp.float32)
-    return (flat_params, opt_state, stopped), diagnostics
+# --- the update: rollout, GAE, epochs of minibatch steps -----------------------------------------
 
 
-def index_bits(n: int) -> int:
-    """The low bits of random_orders' sort keys that hold an index in range(n) (n <= 2^31: int32 indices)."""
-    return max(1, (n - 1).bit_length())
-
-
-def order_bits_shape(rows: int, n: int) -> tuple[int, int]:
-    """The shape of the uint32 random bits that random_orders takes for `rows` permutations of range(n):
-    one row per sort round, ceil(32 / random bits per key) rounds for the first row, one more per row."""
-    return rows + -(-32 // (32 - index_bits(n))) - 1, n
-
-
-def random_orders(bits, rows: int):
-    """[rows, n] int32, each row a uniformly random permutation of range(n), by sorting random keys,
-    the rows independent; bits: uint32 random bits of order_bits_shape(rows, n).
-
-    Written for speed: on CPU, XLA sorts one uint32 array several times faster than it argsorts
-    (key, index) pairs, so each key carries its index in its low bits, and one sort of the keys
-    gives the order. That leaves 32 - log2(n) random bits per key, so ceil(32 / random bits) such
-    sorts are composed: two elements keep their original order only if their keys tie in every
-    round, which leaves fewer such pairs (~n^2 / 2^33) than one argsort of 32-bit keys does. The
-    rounds after the first shuffle positions, not elements, so the rows share them: given the shared
-    rounds, the rows are independent first rounds, each composed with the same fixed permutation,
-    which keeps them uniform and independent."""
-    n = bits.shape[-1]
-    low = jnp.uint32((1 << index_bits(n)) - 1)
-    keys = (bits & ~low) | jnp.arange(n, dtype=jnp.uint32)
-    positions = (jnp.sort(keys, axis=-1) & low).astype(jnp.int32)  # [rows + rounds - 1, n]
-    order = positions[:rows]  # the first round: one per row
-    for position in positions[rows:]:  # each later round shuffles the positions of every row alike
-        order = jnp.take(order, position, axis=-1)
-    return order
-
-
-def minibatch_orders(key, epochs: int, n: int):
-    """(the next key, [epochs, n] int32): each epoch's random order of the n samples (or env sequences)."""
-    key, order_bits = draw_bits(key, [key.shape, order_bits_shape(epochs, n)])
-    return key, random_orders(order_bits, epochs)
-
-
-def shuffle_into_minibatches(permutation, batch: Batch, num_minibatches: int) -> Batch:
-    """[B, ...] -> [M, B/M, ...] in the order of `permutation` (sampling without replacement)."""
-    return jax.tree.map(lambda x: jnp.take(x, permutation, axis=0).reshape(num_minibatches, -1, *x.shape[1:]), batch)
-
-
-def shuffle_sequences_into_minibatches(permutation, batch: Batch, num_minibatches: int) -> Batch:
-    """Recurrent: [T, N, ...] -> [M, T, N/M, ...], whole env sequences in the order of `permutation`
-    (over the N envs), each with the state it starts from: hidden [N, H] -> [M, N/M, H]."""
-    def split(x, axis):
-        x = jnp.take(x, permutation, axis=axis)
-        return jnp.moveaxis(x.reshape(*x.shape[:axis], num_minibatches, -1, *x.shape[axis + 1:]), axis, 0)
-
-    time_major = jax.tree.map(lambda x: split(x, 1), batch.replace(hidden=None))
-    return time_major.replace(hidden=split(batch.hidden, 0))
-
-
-def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn, norm_adv, shards: int = 1):
-    """One pass over the batch: a lax.scan of gradient steps over shuffled minibatches, their
-    advantages normalised over each whole minibatch when norm_adv (--norm-adv). With sharded envs,
-    `batch` is the whole agent's, and this device steps on its 1/shards part of each minibatch."""
-    shuffle = shuffle_into_minibatches if batch.hidden is None else shuffle_sequences_into_minibatches
-    if shards == 1:
-        minibatches = shuffle(permutation, batch, num_minibatches)
-        whole = minibatches.advantages
-    else:
-        own = permutation.reshape(num_minibatches, shards, -1)[:, jax.lax.axis_index(ENV_AXIS)].reshape(-1)
-        minibatches = shuffle(own, batch, num_minibatches)
-        whole = shuffle(permutation, batch, num_minibatches).advantages  # (XLA drops the other fields' gathers)
-    axes = tuple(range(1, whole.ndim))  # [M, ...]: the statistics of each minibatch
-    mean, std = whole.mean(axes, keepdims=True), whole.std(axes, keepdims=True)
-    advantages = minibatches.advantages
-    minibatches = minibatches.replace(advantages=jnp.where(norm_adv, (advantages - mean) / (std + 1e-8), advantages))
-    return jax.lax.scan(step_fn, carry, minibatches)
-
-
-def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: bool, shards: int = 1) -> Batch:
-    """What the update needs. Feedforward: flattened from [T, N, ...] to [B, ...] (B = T * N).
-    Recurrent: kept time-major, with the reset flags and the state the rollout started from [N, H].
-    With sharded envs, gathered from every device's envs: the whole agent's batch."""
-    batch = Batch(
-        obs=traj.obs,
-        first=traj.first if recurrent else None,
-        hidden=start_hidden if recurrent else None,
-        action=traj.action,
-        log_prob=traj.log_prob,
-        dist=traj.dist,
-        value=traj.value,
-        advantages=advantages,
-        targets=targets,
-    )
-    if shards > 1:
-        hidden = gather_envs(batch.hidden, shards, axis=0)  # [N, H]: the env axis comes first
-        batch = gather_envs(batch.replace(hidden=None), shards).replace(hidden=hidden)
-    return batch if recurrent else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
+@struct.dataclass
+class Batch:  # flat [B, ...]; recurrent: time-major [T, N, ...], whole env sequences
+    obs: jax.Array
+    first: jax.Array | None  # recurrent only: [T, N] reset flags
+    hidden: jax.Array | None  # recurrent only: [N, H] the state each sequence starts from
+    action: jax.Array
+    log_prob: jax.Array
+    dist: Any
+    value: jax.Array
+    advantages: jax.Array
+    targets: jax.Array
 
 
 def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hparams: HParams):
     """One PPO iteration: rollout -> GAE -> update_epochs x num_minibatches gradient steps."""
     start_hidden = state.hidden
     state, traj = collect_rollout(state, env, network, config.num_steps, hparams)
-
-    # The critic's value of the true next state of every step, in one batched pass of one step
-    # each (continuing from the state after that step). Where no episode ended, final_obs is
-    # simply the next observation.
-    steps, slices = config.num_steps * env.num_envs, slices_per_pass(config, env.shards)  # this device's envs
-
-    def next_value(part):  # (final observations, hidden states) of some steps -> their values
-        obs, hidden = part
-        return policy_step(network, state.params, obs, jnp.zeros(len(obs), bool), hidden)[2]
-
-    final = (traj.final_obs.reshape(steps, -1), traj.hidden.reshape(steps, -1))
-    next_values = over_slices(next_value, final, slices).reshape(config.num_steps, env.num_envs)
-    terminated = jnp.where(hparams.bootstrap_truncation, traj.terminated, traj.done)
-    advantages, targets = compute_gae(
-        traj.reward, traj.value, next_values, terminated, traj.done, hparams.gamma, hparams.gae_lambda
-    )
+    advantages, targets = estimate_advantages(state.params, traj, config, env, network, hparams)
+    slices = slices_per_pass(config, env.shards)  # --slices (speed: see over_slices)
     recurrent = network.recurrent_size > 0
     batch = make_batch(traj, advantages, targets, start_hidden, recurrent, env.shards)  # the whole agent's
     # This device's envs alone, for the KL pass (unsharded: the batch itself).
@@ -1448,6 +882,123 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     }
     state = state.replace(params=params, opt_state=opt_state, kl_coef=kl_coef, key=key, update=state.update + 1)
     return state, metrics
+
+
+def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: bool, shards: int = 1) -> Batch:
+    """What the update needs. Feedforward: flattened from [T, N, ...] to [B, ...] (B = T * N).
+    Recurrent: kept time-major, with the reset flags and the state the rollout started from [N, H].
+    With sharded envs, gathered from every device's envs: the whole agent's batch."""
+    batch = Batch(
+        obs=traj.obs,
+        first=traj.first if recurrent else None,
+        hidden=start_hidden if recurrent else None,
+        action=traj.action,
+        log_prob=traj.log_prob,
+        dist=traj.dist,
+        value=traj.value,
+        advantages=advantages,
+        targets=targets,
+    )
+    if shards > 1:
+        hidden = gather_envs(batch.hidden, shards, axis=0)  # [N, H]: the env axis comes first
+        batch = gather_envs(batch.replace(hidden=None), shards).replace(hidden=hidden)
+    return batch if recurrent else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
+
+
+def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn, norm_adv, shards: int = 1):
+    """One pass over the batch: a lax.scan of gradient steps over shuffled minibatches, their
+    advantages normalised over each whole minibatch when norm_adv (--norm-adv). With sharded envs,
+    `batch` is the whole agent's, and this device steps on its 1/shards part of each minibatch."""
+    shuffle = shuffle_into_minibatches if batch.hidden is None else shuffle_sequences_into_minibatches
+    if shards == 1:
+        minibatches = shuffle(permutation, batch, num_minibatches)
+        whole = minibatches.advantages
+    else:
+        own = permutation.reshape(num_minibatches, shards, -1)[:, jax.lax.axis_index(ENV_AXIS)].reshape(-1)
+        minibatches = shuffle(own, batch, num_minibatches)
+        whole = shuffle(permutation, batch, num_minibatches).advantages  # (XLA drops the other fields' gathers)
+    axes = tuple(range(1, whole.ndim))  # [M, ...]: the statistics of each minibatch
+    mean, std = whole.mean(axes, keepdims=True), whole.std(axes, keepdims=True)
+    advantages = minibatches.advantages
+    minibatches = minibatches.replace(advantages=jnp.where(norm_adv, (advantages - mean) / (std + 1e-8), advantages))
+    return jax.lax.scan(step_fn, carry, minibatches)
+
+
+def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_coef, slices: int, shards: int = 1):
+    """One gradient step on the flat parameter vector (`unravel` gives the network's params), unless
+    --target-kl has stopped this update (a mask, not a branch, so the whole update stays one program).
+    Its gradient is computed in `slices` slices (--slices). With sharded envs, `minibatch` is this
+    device's part of it, and the gradient and diagnostics are averaged over the devices (the parts
+    are equal), so that every device takes the same step."""
+    flat_params, opt_state, stopped = carry
+    grad = jax.grad(lambda flat, part: ppo_loss(unravel(flat), network, part, hparams, kl_coef), has_aux=True)
+    grads, diagnostics = over_slices(lambda part: grad(flat_params, part), minibatch, slices, mean=True)
+    grads, diagnostics = over_shards(jax.lax.pmean, (grads, diagnostics), shards)
+    stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
+    diagnostics["grad_norm"] = jnp.sqrt(jnp.sum(grads**2))  # before clipping; non-finite: see the NaN guard
+    direction, opt_state = adam_step(grads, diagnostics["grad_norm"], opt_state, hparams, stopped)
+    flat_params = flat_params - jnp.where(stopped, 0.0, lr) * direction  # a stopped step leaves params as they were
+    diagnostics["grad_steps"] = 1.0 - stopped.astype(jnp.float32)
+    return (flat_params, opt_state, stopped), diagnostics
+
+
+def shuffle_into_minibatches(permutation, batch: Batch, num_minibatches: int) -> Batch:
+    """[B, ...] -> [M, B/M, ...] in the order of `permutation` (sampling without replacement)."""
+    return jax.tree.map(lambda x: jnp.take(x, permutation, axis=0).reshape(num_minibatches, -1, *x.shape[1:]), batch)
+
+
+def shuffle_sequences_into_minibatches(permutation, batch: Batch, num_minibatches: int) -> Batch:
+    """Recurrent: [T, N, ...] -> [M, T, N/M, ...], whole env sequences in the order of `permutation`
+    (over the N envs), each with the state it starts from: hidden [N, H] -> [M, N/M, H]."""
+    def split(x, axis):
+        x = jnp.take(x, permutation, axis=axis)
+        return jnp.moveaxis(x.reshape(*x.shape[:axis], num_minibatches, -1, *x.shape[axis + 1:]), axis, 0)
+
+    time_major = jax.tree.map(lambda x: split(x, 1), batch.replace(hidden=None))
+    return time_major.replace(hidden=split(batch.hidden, 0))
+
+
+def learning_rate(hparams: HParams, update, num_updates):
+    """The learning rate during (0-based) update `update`: linear annealing as in CleanRL."""
+    fraction_left = 1.0 - update / num_updates
+    return hparams.lr * jnp.where(hparams.anneal_lr, fraction_left, 1.0)
+
+
+def explained_variance(predictions, targets):
+    """1 - Var[targets - predictions] / Var[targets]: 1 is perfect, 0 no better than the mean."""
+    return 1.0 - jnp.var(targets - predictions) / jnp.var(targets)
+
+
+ADAM_B1, ADAM_B2 = 0.9, 0.999  # optax's defaults
+
+
+def make_optimizer(hparams: HParams):
+    """Global-norm clipping, then Adam, on the flat parameter vector (see update_step): this gives the
+    optimizer's state (tx.init); its step is adam_step, the same formulas written out. The learning
+    rate is applied by minibatch_step, so an update whose steps --target-kl skipped does not shift
+    the schedule."""
+    return optax.chain(optax.clip_by_global_norm(hparams.max_grad_norm), optax.scale_by_adam(b1=ADAM_B1, b2=ADAM_B2,
+                                                                                            eps=hparams.adam_eps))
+
+
+def adam_step(grads, grad_norm, opt_state, hparams: HParams, stopped):
+    """make_optimizer's update on the flat vector -> (step direction, new state): optax's
+    clip_by_global_norm and scale_by_adam formula for formula (a test checks it against tx.update,
+    bit for bit), except that a stopped step (--target-kl) keeps Adam's moments and count as they were.
+
+    Written for speed: the stop mask selects the moments before the step is computed from them, so
+    XLA makes one fused pass over the state where tx.update and a select between its new state and
+    the old one made more."""
+    clip_state, adam = opt_state
+    g = jnp.where(grad_norm < hparams.max_grad_norm, grads, grads / grad_norm * hparams.max_grad_norm)
+    mu = jnp.where(stopped, adam.mu, (1 - ADAM_B1) * g + ADAM_B1 * adam.mu)
+    nu = jnp.where(stopped, adam.nu, (1 - ADAM_B2) * (g * g) + ADAM_B2 * adam.nu)
+    count = optax.safe_increment(adam.count)  # as optax: >= 1, so a stopped step's direction stays finite
+    direction = (mu / (1 - ADAM_B1**count)) / (jnp.sqrt(nu / (1 - ADAM_B2**count)) + hparams.adam_eps)
+    return direction, (clip_state, adam._replace(count=jnp.where(stopped, adam.count, count), mu=mu, nu=nu))
+
+
+# --- make_train: init, then one lax.scan over updates ---------------------------------------------
 
 
 def make_env(config: Config) -> VecEnv:
@@ -1602,11 +1153,263 @@ def load_policy(config: Config, env: VecEnv, network: ActorCritic, path: str | N
 
 
 # ================================================================================================
-# 6. Running and sweeps: validation, then a batch of agents compiled once, sharded over devices
+# 3. Environments: gymnax vmapped over envs, and Brax through gymnax's interface
 # ================================================================================================
 
+
+@struct.dataclass
+class EnvState:
+    env_state: Any  # the gymnax state, batched over envs
+    episode_return: jax.Array  # [N] return of the running episode so far
+    episode_length: jax.Array  # [N]
+
+    @property
+    def first(self):  # [N] bool: the current observation begins an episode (a recurrent policy resets there)
+        return self.episode_length == 0
+
+
+def override_env_params(env_params, overrides: Sequence[str]):
+    """Apply "name=value" overrides to a gymnax EnvParams, keeping each field's type (number or string)."""
+    fields = {field.name: getattr(env_params, field.name) for field in dataclasses.fields(env_params)}
+    changes = {}
+    for item in overrides:
+        name, _, text = item.partition("=")
+        if name not in fields or not text:
+            raise ConfigError(f"--env-params {item!r}: give name=value with a name from {sorted(fields)}")
+        kind = type(fields[name]) if isinstance(fields[name], bool | int | float | str) else float
+        try:
+            changes[name] = text.lower() in ("1", "true") if kind is bool else kind(text)
+        except ValueError:
+            raise ConfigError(f"--env-params {item!r}: {name} needs a {kind.__name__} value") from None
+    return env_params.replace(**changes)
+
+
+ENV_AXIS = "envs"  # the mesh axis over which run_batch shards an agent's envs (--env-devices)
+
+
+class VecEnv:
+    """A gymnax env vmapped over `num_envs`, with thin, pure additions: observations flattened to
+    float32 vectors; continuous actions clipped to the action space's bounds (the policy's log-prob
+    stays that of the unclipped sample); per-env episode return and length, reported in `info` at
+    the step an episode ends; and automatic resets to states drawn in advance.
+
+    gymnax's own `step` draws a reset state at every step (and throws it away unless the episode
+    ended): two threefry hashes per step, each a 5-iteration loop of small ops on CPU, which were
+    most of a CartPole step's cost. So VecEnv does the reset itself, from `resets` that a rollout
+    draws for all its steps in one vectorised call (`resets`). Same semantics: where an episode
+    ends, the next observation is a fresh start and `info["final_observation"]` the one before it.
+    An env that overrides gymnax's `step` (bsuite's DeepSea keeps metrics across resets) is stepped
+    through its own `step` instead. A Brax env's reset builds a physics state, too costly to draw for
+    every step: `resets` are then reset keys, and the envs are reset on the steps where one ended.
+
+    With shards > 1, the VecEnv is one device's share of an agent's envs, inside a shard_map over
+    ENV_AXIS (run_batch, --env-devices): it steps num_envs of the agent's num_envs x shards envs,
+    and its draws are those of the whole set, of which it keeps its own part (`own`), so each env
+    gets the same randomness as in an unsharded run.
+    """
+
+    def __init__(self, env_id: str, num_envs: int, env_params: Sequence[str] = (), shards: int = 1):
+        self.env, self.env_params = make_gymnax(env_id, env_params)
+        self.lazy_resets = isinstance(self.env, BraxEnv)
+        self.num_envs = num_envs  # the envs stepped here
+        self.shards = shards
+        action_space = self.env.action_space(self.env_params)
+        self.discrete = isinstance(action_space, spaces.Discrete)
+        if self.discrete:
+            self.action_dim = int(action_space.n)
+        else:
+            self.action_shape = tuple(action_space.shape)
+            self.action_dim = int(np.prod(self.action_shape))
+            self.action_low = np.broadcast_to(np.asarray(action_space.low, np.float32), self.action_shape)
+            self.action_high = np.broadcast_to(np.asarray(action_space.high, np.float32), self.action_shape)
+        self.obs_shape = tuple(self.env.observation_space(self.env_params).shape)
+        self.obs_dim = int(np.prod(self.obs_shape))
+        self.own_step = type(self.env).step is not GymnaxEnvironment.step
+
+    def _flat(self, obs):  # [..., *obs_shape] -> [..., obs_dim] float32
+        batch_shape = obs.shape[:obs.ndim - len(self.obs_shape)]
+        return obs.reshape(*batch_shape, self.obs_dim).astype(jnp.float32)
+
+    def _reset(self, keys):  # keys [..., N] -> flat obs [..., N, obs_dim], gymnax states [..., N]
+        reset = functools.partial(self.env.reset_env, params=self.env_params)
+        for _ in range(keys.ndim - 1):
+            reset = jax.vmap(reset)
+        obs, env_state = reset(keys)
+        return self._flat(obs), env_state
+
+    def own(self, x, axis: int = 1):
+        """This device's part of x, whose `axis` runs over all num_envs x shards envs (x itself unsharded)."""
+        if self.shards == 1:
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(ENV_AXIS) * self.num_envs, self.num_envs, axis)
+
+    def reset(self, key) -> tuple[jax.Array, EnvState]:
+        obs, env_state = self._reset(self.own(jax.random.split(key, self.num_envs * self.shards), axis=0))
+        zeros = jnp.zeros(self.num_envs, jnp.float32)
+        return obs, EnvState(env_state, zeros, jnp.zeros(self.num_envs, jnp.int32))
+
+    def episode_limit(self, default: int = 10_000) -> int:
+        """The env's time limit in steps (`default` for an env without one)."""
+        return int(getattr(self.env_params, "max_steps_in_episode", default))
+
+    def resets(self, keys):
+        """Fresh starts for every env at each of num_steps steps, from keys [num_steps, all envs] (all:
+        num_envs x shards), in one vectorised call: (flat obs [num_steps, N, obs_dim], gymnax states
+        [num_steps, N]); with lazy resets (Brax), only their keys [num_steps, N]."""
+        keys = self.own(keys)
+        return keys if self.lazy_resets else self._reset(keys)
+
+    def draw_resets(self, key, num_steps: int):
+        """resets() from keys split from `key`."""
+        return self.resets(jax.random.split(key, (num_steps, self.num_envs * self.shards)))
+
+    def step(self, keys, state: EnvState, action, resets):
+        """keys: [N] keys for the env's own randomness; action: [N] int32 (discrete) or
+        [N, action_dim] float32 (continuous, unclipped); resets: one step of resets(), the
+        states envs whose episode ends now continue from."""
+        if not self.discrete:
+            action = jnp.clip(action.reshape(self.num_envs, *self.action_shape), self.action_low, self.action_high)
+        if self.own_step:
+            obs, env_state, reward, terminated, truncated, info = jax.vmap(
+                self.env.step, in_axes=(0, 0, 0, None)
+            )(keys, state.env_state, action, self.env_params)
+            final_obs, obs = self._flat(info["final_observation"]), self._flat(obs)
+        else:
+            final_obs, env_state, reward, terminated, _ = jax.vmap(
+                self.env.step_env, in_axes=(0, 0, 0, None)
+            )(keys, state.env_state, action, self.env_params)
+            truncated = jax.vmap(self.env.is_truncated, in_axes=(0, None))(env_state, self.env_params)
+            final_obs = obs = self._flat(final_obs)
+        reward = reward.astype(jnp.float32)
+        terminated = terminated.astype(bool)
+        truncated = truncated.astype(bool)
+        done = terminated | truncated
+        if not self.own_step:  # where an episode ended, continue from the drawn fresh start
+            select = jax.vmap(lambda d, fresh, old: jax.tree.map(lambda a, b: jax.lax.select(d, a, b), fresh, old))
+            if self.lazy_resets:  # reset only on steps where some episode ended (under vmap: always)
+                reset_ended = lambda: select(done, self._reset(resets), (obs, env_state))  # noqa: E731
+                obs, env_state = jax.lax.cond(jnp.any(done), reset_ended, lambda: (obs, env_state))
+            else:
+                obs, env_state = select(done, resets, (obs, env_state))
+        episode_return = state.episode_return + reward
+        episode_length = state.episode_length + 1
+        info = {
+            "final_observation": final_obs,
+            "episode_return": episode_return,  # meaningful where done
+            "episode_length": episode_length,
+        }
+        state = EnvState(
+            env_state,
+            jnp.where(done, 0.0, episode_return),
+            jnp.where(done, 0, episode_length),
+        )
+        return obs, state, reward, terminated, truncated, info
+
+
+# A Brax env seen through gymnax's interface, so VecEnv and everything after it treat it as any other
+# continuous-control env. brax is imported only here, only when asked for.
+BRAX_PREFIX = "brax:"
+
+
+BRAX_BACKENDS = ("generalized", "positional", "spring", "mjx")
+
+
+BRAX_INSTALL = "pip install -r requirements-brax.txt"
+
+
+@struct.dataclass
+class BraxEnvParams(GymnaxEnvParams):
+    max_steps_in_episode: int = 1000  # the time limit: truncation, flagged apart from termination
+    backend: str = struct.field(pytree_node=False, default="generalized")  # Brax's physics pipeline
+
+
+@struct.dataclass
+class BraxEnvState(GymnaxEnvState):  # and gymnax's `time`: steps since the reset
+    brax: Any = None  # brax.envs.State: the physics state, obs, reward, done
+
+
+class BraxEnv(GymnaxEnvironment):
+    """A raw Brax env (no Brax wrappers): Brax's `done` is the termination (e.g. a fallen hopper); the
+    time limit is gymnax's (state.time >= max_steps_in_episode: truncation), and resets are VecEnv's,
+    so the final observation is kept and truncation bootstraps. Actions are in [-1, 1]."""
+
+    def __init__(self, name: str, backend: str):
+        super().__init__()
+        from brax import envs as brax_envs  # the optional dependency
+
+        self.brax_name = name
+        self.brax_env = brax_envs.get_environment(name, backend=backend)
+
+    @property
+    def default_params(self) -> BraxEnvParams:
+        return BraxEnvParams()
+
+    def reset_env(self, key, params):
+        state = self.brax_env.reset(key)
+        return state.obs, BraxEnvState(brax=state, time=jnp.zeros((), jnp.int32))
+
+    def step_env(self, key, state, action, params):
+        brax_state = self.brax_env.step(state.brax, action)
+        next_state = BraxEnvState(brax=brax_state, time=state.time + 1)
+        return brax_state.obs, next_state, brax_state.reward, brax_state.done > 0.5, {}
+
+    @property
+    def name(self) -> str:
+        return BRAX_PREFIX + self.brax_name
+
+    def action_space(self, params=None):
+        return spaces.Box(-1.0, 1.0, (self.brax_env.action_size,), jnp.float32)
+
+    def observation_space(self, params):
+        return spaces.Box(-jnp.inf, jnp.inf, (self.brax_env.observation_size,), jnp.float32)
+
+
+def brax_names() -> list[str]:
+    from brax import envs as brax_envs
+
+    return sorted(brax_envs._envs)  # Brax's registry has no public listing
+
+
+def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
+    """(env, env_params) for a gymnax id or `brax:NAME`, with the --env-params overrides applied."""
+    if env_id.startswith(BRAX_PREFIX):
+        params = override_env_params(BraxEnvParams(), overrides)
+        return BraxEnv(env_id[len(BRAX_PREFIX):], params.backend), params
+    env, params = gymnax.make(env_id)
+    return env, override_env_params(params, overrides)
+
+
+def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
+    """Raise ConfigError for an unknown env id, a missing brax, or an unknown Brax backend."""
+    if env_id.startswith(BRAX_PREFIX):
+        try:
+            names = brax_names()
+        except ImportError:
+            raise ConfigError(f"--env {env_id} needs brax, which is not installed: {BRAX_INSTALL}") from None
+        if env_id[len(BRAX_PREFIX):] not in names:
+            raise ConfigError(f"--env {env_id!r}: Brax has no such env; it has "
+                              f"{', '.join(BRAX_PREFIX + name for name in names)}")
+        backend = override_env_params(BraxEnvParams(), overrides).backend
+        if backend not in BRAX_BACKENDS:
+            raise ConfigError(f"--env-params backend={backend}: Brax's backends are {', '.join(BRAX_BACKENDS)}")
+    elif env_id not in gymnax.registered_envs:
+        close = difflib.get_close_matches(env_id, gymnax.registered_envs, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, or brax:NAME"
+        raise ConfigError(f"--env {env_id!r} is not a gymnax environment: {hint}")
+
+
+# ================================================================================================
+# 4. Running: validation, a batch of agents compiled once and sharded over devices, chunks,
+#    checkpoints, the NaN guard, signals
+# ================================================================================================
+
+
 STATIC_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"hparams"}
+
+
 HPARAM_FIELDS = {f.name for f in dataclasses.fields(HParams)}
+
+
 RUN_FIELDS = {  # not part of a spec: they change how a run is driven and reported, never its results
     "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "env_devices", "distributed", "compile_cache",
     "checkpoint_every", "resume", "eval", "episodes", "deterministic", "render", "quiet"}
@@ -1760,81 +1563,6 @@ def to_host(tree):
 
         tree = multihost_utils.process_allgather(tree, tiled=True)
     return jax.tree.map(np.asarray, tree)
-
-
-# On a CPU without AVX-512, a minibatch of at least this many samples runs its dots as XLA's own
-# (Eigen) dots instead of YNNPACK fusions (xla_options): faster on big minibatches there, slower on
-# small ones, and slower at every size on a CPU with AVX-512 (docs/speed.md).
-EIGEN_DOTS_FROM_MINIBATCH = 4096
-SLICE_SAMPLES = 2048  # --slices auto: a minibatch slice's activations (64 wide: 512 KB) stay in a core's cache
-MAX_SLICES = 8  # and at most this many (compile time grows with each; more ran no faster)
-GRAD_CHUNK_ROWS = 128  # a small Dense kernel's gradient as a sum over chunks of this many rows (kernel_grad)
-
-
-def slices_per_pass(config: Config, shards: int = 1) -> int:
-    """--slices, with 0 (auto) resolved: on CPU, for feedforward networks, the most slices of at
-    least SLICE_SAMPLES samples of a minibatch (with sharded envs, of each device's part of it), up
-    to MAX_SLICES, that divide it."""
-    if config.slices or config.recurrent != "none" or jax.default_backend() != "cpu":
-        return config.slices or 1
-    samples = config.minibatch_size // shards
-    most = max(1, min(MAX_SLICES, samples // SLICE_SAMPLES))
-    return max([n for n in range(1, most + 1) if samples % n == 0])
-
-
-def grad_chunk_rows() -> int:
-    """The networks' Dense grad_chunk: GRAD_CHUNK_ROWS on CPU; 0 (JAX's own gradient) on accelerators."""
-    return GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0
-
-
-@functools.cache
-def cpu_has_avx512() -> bool:
-    """Whether this machine's CPU has AVX-512 (Linux's /proc/cpuinfo; True where unknown, which keeps
-    XLA's defaults)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512f" in f.read()
-    except OSError:
-        return True
-
-
-def xla_options(config: Config | None = None) -> dict[str, Any] | None:
-    """Options for compiling our programs (config: the run's, for the minibatch size). On CPU:
-    - XLA's generated loops go through LLVM at optimisation level 1 instead of 3 (compile time):
-      they run as fast, as their heavy ops, the dots, are library calls that the level does not touch.
-    - Without AVX-512, from EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, no YNNPACK fusions
-      (speed; with AVX-512 YNNPACK is faster at every size, and stays on).
-    Accelerators keep XLA's defaults. Figures: docs/speed.md."""
-    if jax.default_backend() != "cpu":
-        return None
-    options = {"xla_backend_optimization_level": 1}
-    if config is not None and config.minibatch_size >= EIGEN_DOTS_FROM_MINIBATCH and not cpu_has_avx512():
-        options["xla_cpu_experimental_ynn_fusion_type"] = ""  # the empty set of fusion types
-    return options
-
-
-def init_xla_options() -> dict[str, Any] | None:
-    """Options for compiling the init program, which runs once, so that only its compile time counts.
-    On CPU: LLVM at optimisation level 0, and XLA's older loop emitters, which compile faster than its
-    fusion emitters and make slower loops (see xla_options). Unoptimised code forms no fused multiply-adds, so the init's floats can differ in the last bits
-    from those of an optimised compile: of make_train jitted as one program, say."""
-    if jax.default_backend() != "cpu":
-        return None
-    return {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic garbage collector off inside the block (compile time: tracing a program
-    allocates many short-lived objects, and the collector's passes over them are wasted). What the
-    block leaves is collected as usual afterwards."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 SHARD_SAMPLES = 512  # --env-devices auto: each device keeps at least this many samples of a minibatch
@@ -2034,8 +1762,6 @@ def run(config: Config) -> RunResult:
     return run_batch(config, seed_keys(config), hparams, config.sweep_chunk)
 
 
-# --- a single run with its run directory: checkpoints, NaN guard, signals, live progress ----------
-
 GUARDED_METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm", "param_norm", "kl")
 
 
@@ -2134,7 +1860,9 @@ def train_run(config: Config, run_dir: str | None, start: Checkpoint | None = No
     return result, "complete"
 
 
-# --- sweep specs ---------------------------------------------------------------------------------
+# ================================================================================================
+# 5. Sweeps: specs, the batch of points x seeds, their outputs
+# ================================================================================================
 
 
 @dataclasses.dataclass
@@ -2343,9 +2071,215 @@ def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> f
     return float(rollout(jax.random.PRNGKey(seed)))
 
 
+@dataclasses.dataclass
+class SweepSetting:
+    """The results of one static setting: metrics [points, seeds, updates]."""
+
+    config: Config
+    result: RunResult
+    random_return: float | None
+
+    def per_point(self, name: str) -> np.ndarray:
+        metric = self.result.metrics[name]
+        return metric.reshape(-1, self.config.num_seeds, *metric.shape[1:])
+
+    def diverged(self) -> np.ndarray:  # [points, seeds]: a loss, KL or norm went non-finite (the NaN guard's test)
+        bad = [~np.isfinite(self.per_point(name)).all(axis=-1) for name in GUARDED_METRICS]
+        return np.any(bad, axis=0)
+
+    def final(self) -> np.ndarray:  # [points, seeds]; NaN where the agent diverged (its policy acts on NaNs)
+        final = final_return(self.result.metrics).reshape(-1, self.config.num_seeds)
+        return np.where(self.diverged(), np.nan, final)
+
+    def auc(self) -> np.ndarray:  # [points, seeds]: mean return over all updates (area under the curve / steps)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no episode ended
+            auc = np.nanmean(self.per_point("episode_return"), axis=-1)
+        return np.where(self.diverged(), np.nan, auc)
+
+
+def setting_name(i: int, config: Config) -> str:
+    return f"{i + 1}:{config.env}"
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return "inf" if value == math.inf else "-inf" if value == -math.inf else "nan" if value != value else repr(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a TOML basic string
+
+
+def resolved_sweep_toml(sweep: Sweep, source: str) -> str:
+    """The sweep with everything resolved, in the spec format: `--sweep` on this file runs the same
+    configs and points again (one [[grid]] per point)."""
+    lines = [f"# Resolved from {source} on {datetime.datetime.now():%Y-%m-%d %H:%M}: every static setting",
+             "# in full, one [[grid]] per point. `python ppo_jax.py --sweep <this file>` runs it again.",
+             f"name = {toml_value(sweep.name)}", f"normalized_score = {toml_value(sweep.normalized_score)}", ""]
+    for config in sweep.configs:
+        lines.append("[[static]]")
+        fields = {**dataclasses.asdict(config), **dataclasses.asdict(config.hparams)}
+        for name, value in fields.items():
+            if name not in RUN_FIELDS and name != "hparams" and value is not None:
+                lines.append(f"{name} = {toml_value(value)}")
+        lines.append("")
+    for label, point in zip(sweep.labels, sweep.points):
+        lines.append(f"[[grid]]  # {label}")
+        lines.extend(f"{name} = [{toml_value(value)}]" for name, value in point.items())
+        lines.append("")
+    lines.append("# The spec as given:")
+    lines.extend(f"# {line}" for line in sweep.spec_text.splitlines())
+    return "\n".join(lines) + "\n"
+
+
+def append_results_csv(path: str, sweep: Sweep, i: int, setting: SweepSetting) -> None:
+    """One row per point x seed: every HParam, final return, area under the curve, agent-steps/s."""
+    hparam_names = [f.name for f in dataclasses.fields(HParams)]
+    new_file = not os.path.exists(path)
+    finals, aucs = setting.final(), setting.auc()
+    with open(path, "a", newline="") as f:
+        writer = csv.writer(f)
+        if new_file:
+            writer.writerow(["static", "env", "point", "label", "seed"] + hparam_names +
+                            ["final_return", "auc", "agent_steps_per_second"])
+        for p, hparams in enumerate(sweep.hparams(setting.config)):
+            for seed in range(setting.config.num_seeds):
+                writer.writerow([setting_name(i, setting.config), setting.config.env, p, sweep.labels[p], seed] +
+                                [format_value(getattr(hparams, n)) for n in hparam_names] +
+                                [f"{finals[p, seed]:.6g}", f"{aucs[p, seed]:.6g}",
+                                 f"{setting.result.steps_per_second:.0f}"])
+
+
+def normalized_scores(settings: list[SweepSetting]) -> np.ndarray:
+    """Per point, averaged over static settings: (final - random) / (best point - random)."""
+    scores = []
+    for setting in settings:
+        final = np.nanmean(setting.final(), axis=1)
+        scores.append((final - setting.random_return) / (np.nanmax(final) - setting.random_return))
+    return np.nanmean(scores, axis=0)
+
+
+def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[list[str]], str]:
+    """summary.csv rows and the printed table: mean +- std over seeds per point, best first."""
+    rows = [["static", "env", "point", "label"] + sweep.swept +
+            ["final_mean", "final_std", "auc_mean", "auc_std", "num_seeds"]]
+    text = []
+    for i, setting in enumerate(settings):
+        final, auc = setting.final(), setting.auc()
+        final_mean, final_std = np.nanmean(final, 1), np.nanstd(final, 1)
+        auc_mean, auc_std = np.nanmean(auc, 1), np.nanstd(auc, 1)
+        order = np.argsort(-np.nan_to_num(final_mean, nan=-np.inf), kind="stable")
+        result = setting.result
+        text.append(f"\n{setting_name(i, setting.config)}: {len(sweep.points)} points x {setting.config.num_seeds} "
+                    f"seeds, compile {result.lower_seconds + result.compile_seconds:.1f} s, run "
+                    f"{result.run_seconds:.1f} s, {result.steps_per_second:,.0f} agent-steps/s"
+                    + (f", random policy {setting.random_return:.1f}" if setting.random_return is not None else ""))
+        width = max(len(label) for label in sweep.labels)
+        text.append(f"  rank  {'point'.ljust(width)}  {'final return':>18}  {'area under curve':>18}")
+        for rank, p in enumerate(order):
+            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  "
+                        f"{f'{final_mean[p]:.1f} ± {final_std[p]:.1f}':>18}  {f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
+            hparams = sweep.hparams(setting.config)[p]
+            rows.append([setting_name(i, setting.config), setting.config.env, str(p), sweep.labels[p]] +
+                        [format_value(getattr(hparams, n)) for n in sweep.swept] +
+                        [f"{v:.6g}" for v in (final_mean[p], final_std[p], auc_mean[p], auc_std[p])] +
+                        [str(setting.config.num_seeds)])
+    if sweep.normalized_score and settings:
+        scores = normalized_scores(settings)
+        text.append(f"\nnormalised score (random policy = 0, best point = 1), mean over {len(settings)} setting(s):")
+        for p in np.argsort(-np.nan_to_num(scores, nan=-np.inf), kind="stable"):
+            text.append(f"  {scores[p]:6.3f}  {sweep.labels[p]}")
+    return rows, "\n".join(text)
+
+
+def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None:
+    """curves.png (one curve per point, seeds shaded min-max; one panel per static setting) and
+    final_vs_<param>.png for every swept parameter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(settings)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.2), squeeze=False)
+    colors = plt.cm.viridis(np.linspace(0, 0.95, len(sweep.points)))
+    for ax, (i, setting) in zip(axes[0], enumerate(settings)):
+        steps = setting.result.metrics["env_steps"][0]
+        returns = setting.per_point("episode_return")  # [points, seeds, updates]
+        for p in range(len(sweep.points)):
+            plot_seeds(ax, steps, returns[p], sweep.labels[p], colors[p])
+        ax.set(xlabel="environment steps (per agent)", ylabel="episode return (smoothed)",
+               title=setting_name(i, setting.config))
+        ax.grid(alpha=0.3)
+        if len(sweep.points) <= 12:
+            ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=110)
+    plt.close(fig)
+
+    for name in sweep.swept:
+        fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.8), squeeze=False)
+        for ax, (i, setting) in zip(axes[0], enumerate(settings)):
+            values = np.array([float(getattr(h, name)) for h in sweep.hparams(setting.config)])
+            final = setting.final()
+            ax.errorbar(values, np.nanmean(final, 1), yerr=np.nanstd(final, 1), fmt="o", capsize=3, alpha=0.8)
+            finite = values[np.isfinite(values)]
+            if finite.size and finite.min() > 0 and finite.max() / finite.min() >= 10:
+                ax.set_xscale("log")
+            ax.set(xlabel=name, ylabel="final return (mean ± std over seeds)", title=setting_name(i, setting.config))
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
+        plt.close(fig)
+
+
+def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> str:
+    """After each static setting: append its rows to results.csv, rewrite the summaries and plots."""
+    with warnings.catch_warnings():  # nan-means of points where no episode ended are NaN, as they should be
+        warnings.simplefilter("ignore", RuntimeWarning)
+        append_results_csv(os.path.join(run_dir, "results.csv"), sweep, len(settings) - 1, settings[-1])
+        rows, text = summarize_sweep(sweep, settings)
+        plot_sweep(run_dir, sweep, settings)
+    with open(os.path.join(run_dir, "summary.csv"), "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    return text
+
+
+def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0, quiet: bool = False) -> list[SweepSetting]:
+    """Each static setting: one compile, all points x seeds as one batch; outputs written as each
+    setting finishes, so an interrupted sweep keeps what it has."""
+    total = sum(len(sweep.points) * config.num_seeds * config.num_updates for config in sweep.configs)
+    progress, settings, done_before = Progress(total, quiet=quiet), [], 0
+    for i, config in enumerate(sweep.configs):
+        keys = np.tile(np.asarray(seed_keys(config)), (len(sweep.points), 1))  # point-major: [p * S + s]
+        hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
+        agents = len(sweep.points) * config.num_seeds
+        progress.show(done_before, f"setting {setting_name(i, config)}: compiling")
+
+        def report(done, metrics, state, config=config, i=i, done_before=done_before, agents=agents):
+            progress.show(done_before + done * agents,
+                          f"setting {setting_name(i, config)}: update {done}/{config.num_updates} x {agents} agents")
+
+        result = run_batch(config, keys, hparams, chunk_size, report)
+        progress.end()
+        done_before += agents * config.num_updates
+        random_return = random_policy_return(config) if sweep.normalized_score else None
+        settings.append(SweepSetting(config, result, random_return))
+        if jax.process_index() == 0:
+            text = write_sweep_outputs(run_dir, sweep, settings)
+    if jax.process_index() == 0:
+        print(text)
+    return settings
+
+
 # ================================================================================================
-# 7. Outputs
+# 6. Outputs: the run directory, checkpoints, progress
 # ================================================================================================
+
 
 TABLE_COLUMNS = (  # (metric, header, format)
     ("env_steps", "steps", "{:.0f}"),
@@ -2525,10 +2459,13 @@ def write_outputs(run_dir: str, config: Config, result: RunResult, status: str =
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
+
+
 # One msgpack file (flax.serialization; no pickle): the whole TrainState of every seed, the metrics
 # so far, and the config it was written under. Saved after every chunk of updates, atomically.
-
 CHECKPOINT = "checkpoint.msgpack"
+
+
 CHECKPOINT_FORMAT = "ppo_jax checkpoint 1"
 
 
@@ -2598,185 +2535,7 @@ def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
     return checkpoint
 
 
-# --- sweep outputs -------------------------------------------------------------------------------
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return "inf" if value == math.inf else "-inf" if value == -math.inf else "nan" if value != value else repr(value)
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return json.dumps(str(value))  # a TOML basic string
-
-
-def resolved_sweep_toml(sweep: Sweep, source: str) -> str:
-    """The sweep with everything resolved, in the spec format: `--sweep` on this file runs the same
-    configs and points again (one [[grid]] per point)."""
-    lines = [f"# Resolved from {source} on {datetime.datetime.now():%Y-%m-%d %H:%M}: every static setting",
-             "# in full, one [[grid]] per point. `python ppo_jax.py --sweep <this file>` runs it again.",
-             f"name = {toml_value(sweep.name)}", f"normalized_score = {toml_value(sweep.normalized_score)}", ""]
-    for config in sweep.configs:
-        lines.append("[[static]]")
-        fields = {**dataclasses.asdict(config), **dataclasses.asdict(config.hparams)}
-        for name, value in fields.items():
-            if name not in RUN_FIELDS and name != "hparams" and value is not None:
-                lines.append(f"{name} = {toml_value(value)}")
-        lines.append("")
-    for label, point in zip(sweep.labels, sweep.points):
-        lines.append(f"[[grid]]  # {label}")
-        lines.extend(f"{name} = [{toml_value(value)}]" for name, value in point.items())
-        lines.append("")
-    lines.append("# The spec as given:")
-    lines.extend(f"# {line}" for line in sweep.spec_text.splitlines())
-    return "\n".join(lines) + "\n"
-
-
-@dataclasses.dataclass
-class SweepSetting:
-    """The results of one static setting: metrics [points, seeds, updates]."""
-
-    config: Config
-    result: RunResult
-    random_return: float | None
-
-    def per_point(self, name: str) -> np.ndarray:
-        metric = self.result.metrics[name]
-        return metric.reshape(-1, self.config.num_seeds, *metric.shape[1:])
-
-    def diverged(self) -> np.ndarray:  # [points, seeds]: a loss, KL or norm went non-finite (the NaN guard's test)
-        bad = [~np.isfinite(self.per_point(name)).all(axis=-1) for name in GUARDED_METRICS]
-        return np.any(bad, axis=0)
-
-    def final(self) -> np.ndarray:  # [points, seeds]; NaN where the agent diverged (its policy acts on NaNs)
-        final = final_return(self.result.metrics).reshape(-1, self.config.num_seeds)
-        return np.where(self.diverged(), np.nan, final)
-
-    def auc(self) -> np.ndarray:  # [points, seeds]: mean return over all updates (area under the curve / steps)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no episode ended
-            auc = np.nanmean(self.per_point("episode_return"), axis=-1)
-        return np.where(self.diverged(), np.nan, auc)
-
-
-def setting_name(i: int, config: Config) -> str:
-    return f"{i + 1}:{config.env}"
-
-
-def append_results_csv(path: str, sweep: Sweep, i: int, setting: SweepSetting) -> None:
-    """One row per point x seed: every HParam, final return, area under the curve, agent-steps/s."""
-    hparam_names = [f.name for f in dataclasses.fields(HParams)]
-    new_file = not os.path.exists(path)
-    finals, aucs = setting.final(), setting.auc()
-    with open(path, "a", newline="") as f:
-        writer = csv.writer(f)
-        if new_file:
-            writer.writerow(["static", "env", "point", "label", "seed"] + hparam_names +
-                            ["final_return", "auc", "agent_steps_per_second"])
-        for p, hparams in enumerate(sweep.hparams(setting.config)):
-            for seed in range(setting.config.num_seeds):
-                writer.writerow([setting_name(i, setting.config), setting.config.env, p, sweep.labels[p], seed] +
-                                [format_value(getattr(hparams, n)) for n in hparam_names] +
-                                [f"{finals[p, seed]:.6g}", f"{aucs[p, seed]:.6g}",
-                                 f"{setting.result.steps_per_second:.0f}"])
-
-
-def normalized_scores(settings: list[SweepSetting]) -> np.ndarray:
-    """Per point, averaged over static settings: (final - random) / (best point - random)."""
-    scores = []
-    for setting in settings:
-        final = np.nanmean(setting.final(), axis=1)
-        scores.append((final - setting.random_return) / (np.nanmax(final) - setting.random_return))
-    return np.nanmean(scores, axis=0)
-
-
-def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[list[str]], str]:
-    """summary.csv rows and the printed table: mean +- std over seeds per point, best first."""
-    rows = [["static", "env", "point", "label"] + sweep.swept +
-            ["final_mean", "final_std", "auc_mean", "auc_std", "num_seeds"]]
-    text = []
-    for i, setting in enumerate(settings):
-        final, auc = setting.final(), setting.auc()
-        final_mean, final_std = np.nanmean(final, 1), np.nanstd(final, 1)
-        auc_mean, auc_std = np.nanmean(auc, 1), np.nanstd(auc, 1)
-        order = np.argsort(-np.nan_to_num(final_mean, nan=-np.inf), kind="stable")
-        result = setting.result
-        text.append(f"\n{setting_name(i, setting.config)}: {len(sweep.points)} points x {setting.config.num_seeds} "
-                    f"seeds, compile {result.lower_seconds + result.compile_seconds:.1f} s, run "
-                    f"{result.run_seconds:.1f} s, {result.steps_per_second:,.0f} agent-steps/s"
-                    + (f", random policy {setting.random_return:.1f}" if setting.random_return is not None else ""))
-        width = max(len(label) for label in sweep.labels)
-        text.append(f"  rank  {'point'.ljust(width)}  {'final return':>18}  {'area under curve':>18}")
-        for rank, p in enumerate(order):
-            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  "
-                        f"{f'{final_mean[p]:.1f} ± {final_std[p]:.1f}':>18}  {f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
-            hparams = sweep.hparams(setting.config)[p]
-            rows.append([setting_name(i, setting.config), setting.config.env, str(p), sweep.labels[p]] +
-                        [format_value(getattr(hparams, n)) for n in sweep.swept] +
-                        [f"{v:.6g}" for v in (final_mean[p], final_std[p], auc_mean[p], auc_std[p])] +
-                        [str(setting.config.num_seeds)])
-    if sweep.normalized_score and settings:
-        scores = normalized_scores(settings)
-        text.append(f"\nnormalised score (random policy = 0, best point = 1), mean over {len(settings)} setting(s):")
-        for p in np.argsort(-np.nan_to_num(scores, nan=-np.inf), kind="stable"):
-            text.append(f"  {scores[p]:6.3f}  {sweep.labels[p]}")
-    return rows, "\n".join(text)
-
-
-def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None:
-    """curves.png (one curve per point, seeds shaded min-max; one panel per static setting) and
-    final_vs_<param>.png for every swept parameter."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = len(settings)
-    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.2), squeeze=False)
-    colors = plt.cm.viridis(np.linspace(0, 0.95, len(sweep.points)))
-    for ax, (i, setting) in zip(axes[0], enumerate(settings)):
-        steps = setting.result.metrics["env_steps"][0]
-        returns = setting.per_point("episode_return")  # [points, seeds, updates]
-        for p in range(len(sweep.points)):
-            plot_seeds(ax, steps, returns[p], sweep.labels[p], colors[p])
-        ax.set(xlabel="environment steps (per agent)", ylabel="episode return (smoothed)",
-               title=setting_name(i, setting.config))
-        ax.grid(alpha=0.3)
-        if len(sweep.points) <= 12:
-            ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=110)
-    plt.close(fig)
-
-    for name in sweep.swept:
-        fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.8), squeeze=False)
-        for ax, (i, setting) in zip(axes[0], enumerate(settings)):
-            values = np.array([float(getattr(h, name)) for h in sweep.hparams(setting.config)])
-            final = setting.final()
-            ax.errorbar(values, np.nanmean(final, 1), yerr=np.nanstd(final, 1), fmt="o", capsize=3, alpha=0.8)
-            finite = values[np.isfinite(values)]
-            if finite.size and finite.min() > 0 and finite.max() / finite.min() >= 10:
-                ax.set_xscale("log")
-            ax.set(xlabel=name, ylabel="final return (mean ± std over seeds)", title=setting_name(i, setting.config))
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
-        plt.close(fig)
-
-
-def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> str:
-    """After each static setting: append its rows to results.csv, rewrite the summaries and plots."""
-    with warnings.catch_warnings():  # nan-means of points where no episode ended are NaN, as they should be
-        warnings.simplefilter("ignore", RuntimeWarning)
-        append_results_csv(os.path.join(run_dir, "results.csv"), sweep, len(settings) - 1, settings[-1])
-        rows, text = summarize_sweep(sweep, settings)
-        plot_sweep(run_dir, sweep, settings)
-    with open(os.path.join(run_dir, "summary.csv"), "w", newline="") as f:
-        csv.writer(f).writerows(rows)
-    return text
+# --- progress ------------------------------------------------------------------------------------
 
 
 def clock(seconds: float) -> str:
@@ -2810,36 +2569,10 @@ class Progress:
             self.open_line = False
 
 
-def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0, quiet: bool = False) -> list[SweepSetting]:
-    """Each static setting: one compile, all points x seeds as one batch; outputs written as each
-    setting finishes, so an interrupted sweep keeps what it has."""
-    total = sum(len(sweep.points) * config.num_seeds * config.num_updates for config in sweep.configs)
-    progress, settings, done_before = Progress(total, quiet=quiet), [], 0
-    for i, config in enumerate(sweep.configs):
-        keys = np.tile(np.asarray(seed_keys(config)), (len(sweep.points), 1))  # point-major: [p * S + s]
-        hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
-        agents = len(sweep.points) * config.num_seeds
-        progress.show(done_before, f"setting {setting_name(i, config)}: compiling")
-
-        def report(done, metrics, state, config=config, i=i, done_before=done_before, agents=agents):
-            progress.show(done_before + done * agents,
-                          f"setting {setting_name(i, config)}: update {done}/{config.num_updates} x {agents} agents")
-
-        result = run_batch(config, keys, hparams, chunk_size, report)
-        progress.end()
-        done_before += agents * config.num_updates
-        random_return = random_policy_return(config) if sweep.normalized_score else None
-        settings.append(SweepSetting(config, result, random_return))
-        if jax.process_index() == 0:
-            text = write_sweep_outputs(run_dir, sweep, settings)
-    if jax.process_index() == 0:
-        print(text)
-    return settings
-
-
 # ================================================================================================
-# 8. Evaluation: a trained policy on complete episodes, and a GIF of one
+# 7. Evaluation: a trained policy on complete episodes, and a GIF of one
 # ================================================================================================
+
 
 DRAWABLE_ENVS = ("CartPole-v1", "Pendulum-v1", "Acrobot-v1", "MountainCar-v0", "MountainCarContinuous-v0",
                  "Catch-bsuite", "Asterix-MinAtar", "Breakout-MinAtar", "Freeway-MinAtar", "Seaquest-MinAtar",
@@ -2927,7 +2660,7 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
 
 
 # ================================================================================================
-# 9. CLI
+# 8. Command line
 # ================================================================================================
 
 
@@ -2981,6 +2714,8 @@ def load_run_config(run_dir: str, flag_name: str) -> Config:
 
 
 RESUME_FLAGS = {"resume", "table_rows", "compile_cache", "checkpoint_every", "quiet", "sweep_chunk", "distributed"}
+
+
 EVAL_FLAGS = {"eval", "episodes", "deterministic", "render", "params_index", "seed", "compile_cache", "distributed"}
 
 
@@ -3142,6 +2877,294 @@ def main(argv: Sequence[str] | None = None):
               f"  python ppo_jax.py --resume {run_dir}", file=sys.stderr)
         raise SystemExit(128 + int(signal.Signals[status.split()[-1]]))
     return result
+
+
+# ================================================================================================
+# 9. Speed and devices: how the core's plain names run fast on a CPU and across devices. Each
+#    device says why it is here; what it measured is in docs/speed.md.
+# ================================================================================================
+
+
+def draw_bits(key, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
+    """uint32 random bits of each shape, from one call of the PRNG (threefry). A part with a raw key's
+    shape (key.shape) is a fresh key, as jax.random.split's are.
+
+    Written for compile time: on CPU each jax.random call compiles to its own loop of kernels, and
+    each kernel costs XLA compile time; an update draws its randomness in two calls, not six."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = jax.random.bits(key, (sum(sizes),), jnp.uint32)
+    parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist())
+    return [part.reshape(shape) for part, shape in zip(parts, shapes)]
+
+
+def rollout_randomness(key, env: VecEnv, num_steps: int):
+    """step_envs' randomness in one PRNG call (draw_bits) -> (the next key, action noise [T, N, A],
+    env step keys [T, N, ...], fresh starts for every env at every step (VecEnv.resets)). With
+    sharded envs, the draws are those of all the agent's envs, of which this device keeps its own."""
+    distribution = Categorical if env.discrete else DiagGaussian
+    all_envs, key_shape = env.num_envs * env.shards, key.shape
+    key, noise_bits, step_keys, reset_keys = draw_bits(key, [
+        key_shape, (num_steps, all_envs, env.action_dim), (num_steps, all_envs, *key_shape),
+        (num_steps, all_envs, *key_shape)])
+    return key, env.own(distribution.noise(noise_bits)), env.own(step_keys), env.resets(reset_keys)
+
+
+def uniform_from_bits(bits, low: float = 0.0):
+    """float32 uniform on [low, 1) from uint32 bits (low < 1), exactly as jax.random.uniform makes it
+    from the same bits (its 23 high bits as the mantissa of a float in [1, 2))."""
+    floats = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    return jnp.maximum(jnp.float32(low), floats * jnp.float32(1.0 - low) + jnp.float32(low))
+
+
+def orthogonal(scale: float):
+    """Orthogonal init (Saxe et al., 2014), as flax's `orthogonal` but without LAPACK: the Q of a
+    Gaussian matrix's QR (diagonal of R positive) by Gram-Schmidt, each column projected twice. Why:
+    vmapped over stacked agents, flax's batched LAPACK QR deadlocked XLA's 2-thread CPU pool here
+    (both threads waiting on sub-tasks queued behind them), now and then, in long sweeps."""
+
+    def init(key, shape, dtype=jnp.float32):
+        rows, cols = math.prod(shape[:-1]), shape[-1]
+        tall = (rows, cols) if rows >= cols else (cols, rows)
+        columns = jax.random.normal(key, tall, dtype)
+
+        def orthonormalise(j, q):
+            earlier = (jnp.arange(tall[1]) < j).astype(dtype)  # columns already orthonormal
+            v = q[:, j]
+            v = v - q @ (earlier * (q.T @ v))
+            v = v - q @ (earlier * (q.T @ v))  # twice: orthogonal to float precision
+            return q.at[:, j].set(v / jnp.linalg.norm(v))
+
+        q = jax.lax.fori_loop(0, tall[1], orthonormalise, columns)
+        return scale * (q if rows >= cols else q.T).reshape(shape)
+
+    return init
+
+
+class Dense(nn.Module):
+    """flax's nn.Dense (same parameters, names and initialisation: kernel [D, F], zero bias) through
+    `affine`, for its kernel gradient by kernel_grad; with grad_chunk 0, nn.Dense's matmul and gradient.
+
+    Written for compile time: applied, it reads its parameters with get_variable, not param(), which
+    at every apply traces the initializer (jax.eval_shape) to check the stored shape, and the update
+    program applies the network five times. Parameters come from init, or from a file that
+    read_policies / load_checkpoint check against this network."""
+
+    features: int
+    kernel_init: Any
+    grad_chunk: int = 0
+
+    @nn.compact
+    def __call__(self, x):
+        if self.is_initializing():
+            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+            bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        else:  # compile time: flax's param() would trace the initializer again, to check the shape
+            kernel, bias = self.get_variable("params", "kernel"), self.get_variable("params", "bias")
+        if not self.grad_chunk:  # JAX's own gradient of the matmul, as nn.Dense's (accelerators)
+            return x @ kernel + bias
+        return affine(x, kernel, bias, self.grad_chunk)
+
+
+def kernel_grad(x, g, chunk: int):
+    """x^T g for x [n, D], g [n, F]: a dense layer's kernel gradient, a sum over the n rows.
+
+    Written for speed, on CPU (Dense calls it with chunk > 0): XLA's dot for x^T g, contracting over
+    the rows into a small kernel, runs at a fraction of the forward's FLOP/s there. For layers with
+    at least 64 inputs:
+    - a small kernel (at most 128 x 128) over at least 8 chunks of `chunk` rows: one batched dot
+      over the chunks, then a sum of the chunks' kernels;
+    - otherwise a narrow output (F <= D / 2: the heads, MinAtar's 1600 x 128) as g^T x, [F, D],
+      then transposed. The optimization barriers keep XLA from folding the transposes back into
+      the dot's layout, which undoes the gain.
+    Narrow inputs (CartPole's 4, the conv's 9C) and the rest stay one dot (no faster otherwise)."""
+    (n, inputs), outputs = x.shape, g.shape[1]
+    if inputs < 64:
+        return x.T @ g
+    if n % chunk == 0 and n >= 8 * chunk and inputs * outputs <= 128 * 128:
+        split = lambda a: a.reshape(n // chunk, chunk, a.shape[1])  # noqa: E731
+        return jnp.einsum("cri,crj->cij", split(x), split(g)).sum(0)
+    if 2 * outputs <= inputs:
+        barrier = jax.lax.optimization_barrier
+        return barrier(barrier(g.T) @ x).T
+    return x.T @ g
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def affine(x, kernel, bias, grad_chunk: int):
+    """x [..., D] @ kernel [D, F] + bias [F], its kernel gradient by kernel_grad (with grad_chunk)."""
+    return x @ kernel + bias
+
+
+def _affine_forward(x, kernel, bias, grad_chunk):
+    return x @ kernel + bias, (x, kernel)
+
+
+def _affine_backward(grad_chunk, residuals, g):
+    x, kernel = residuals
+    rows, cols = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    return g @ kernel.T, kernel_grad(rows, cols, grad_chunk), cols.sum(0)
+
+
+affine.defvjp(_affine_forward, _affine_backward)
+
+
+def over_slices(fn, batch, slices: int, mean: bool = False):
+    """fn(batch) computed on `slices` equal consecutive slices of a flat batch (a pytree of [B, ...]
+    arrays), its outputs concatenated; with mean=True, for an fn whose outputs are means over the
+    samples (a loss, its gradient, diagnostics), averaged instead.
+
+    Written for speed, on CPU: on a big minibatch the network's activations are larger than a core's
+    cache, and one op on them uses the cores poorly. Each slice's computation is its own piece of
+    the program (a Python loop: unrolled), cache-sized, and independent of the others, so XLA runs
+    them side by side on the cores."""
+    if slices == 1:
+        return fn(batch)
+    size = jax.tree.leaves(batch)[0].shape[0] // slices
+    fn = jax.jit(fn)  # traced once for every slice (compile time)
+    parts = [fn(jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch)) for i in range(slices)]
+    if mean:
+        return jax.tree.map(lambda *values: sum(values) / slices, *parts)
+    return jax.tree.map(lambda *values: jnp.concatenate(values), *parts)
+
+
+def minibatch_orders(key, epochs: int, n: int):
+    """(the next key, [epochs, n] int32): each epoch's random order of the n samples (or env sequences)."""
+    key, order_bits = draw_bits(key, [key.shape, order_bits_shape(epochs, n)])
+    return key, random_orders(order_bits, epochs)
+
+
+def random_orders(bits, rows: int):
+    """[rows, n] int32, each row a uniformly random permutation of range(n), by sorting random keys,
+    the rows independent; bits: uint32 random bits of order_bits_shape(rows, n).
+
+    Written for speed: on CPU, XLA sorts one uint32 array several times faster than it argsorts
+    (key, index) pairs, so each key carries its index in its low bits, and one sort of the keys
+    gives the order. That leaves 32 - log2(n) random bits per key, so ceil(32 / random bits) such
+    sorts are composed: two elements keep their original order only if their keys tie in every
+    round, which leaves fewer such pairs (~n^2 / 2^33) than one argsort of 32-bit keys does. The
+    rounds after the first shuffle positions, not elements, so the rows share them: given the shared
+    rounds, the rows are independent first rounds, each composed with the same fixed permutation,
+    which keeps them uniform and independent."""
+    n = bits.shape[-1]
+    low = jnp.uint32((1 << index_bits(n)) - 1)
+    keys = (bits & ~low) | jnp.arange(n, dtype=jnp.uint32)
+    positions = (jnp.sort(keys, axis=-1) & low).astype(jnp.int32)  # [rows + rounds - 1, n]
+    order = positions[:rows]  # the first round: one per row
+    for position in positions[rows:]:  # each later round shuffles the positions of every row alike
+        order = jnp.take(order, position, axis=-1)
+    return order
+
+
+def index_bits(n: int) -> int:
+    """The low bits of random_orders' sort keys that hold an index in range(n) (n <= 2^31: int32 indices)."""
+    return max(1, (n - 1).bit_length())
+
+
+def order_bits_shape(rows: int, n: int) -> tuple[int, int]:
+    """The shape of the uint32 random bits that random_orders takes for `rows` permutations of range(n):
+    one row per sort round, ceil(32 / random bits per key) rounds for the first row, one more per row."""
+    return rows + -(-32 // (32 - index_bits(n))) - 1, n
+
+
+# An agent's envs sharded over `shards` devices (run_batch, --env-devices): each device runs the
+# same program on its own envs inside a shard_map over ENV_AXIS, and these two combine the devices'
+# parts. Unsharded (shards 1) both are the identity.
+def gather_envs(tree, shards: int, axis: int = 1):
+    """Every device's part of `tree` along `axis` (its env axis), in env order: the whole agent's."""
+    if shards == 1:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, ENV_AXIS, axis=axis, tiled=True), tree)
+
+
+def over_shards(collective, tree, shards: int):
+    """`collective` (jax.lax.pmean or psum) of a pytree of float32 values over the devices.
+    Speed: the tree is raveled into one vector, so that a gradient step waits on one all-reduce, not
+    one per leaf (a collective between devices costs the same whatever it moves)."""
+    if shards == 1:
+        return tree
+    flat, unravel = ravel_pytree(tree)
+    return unravel(collective(flat, ENV_AXIS))
+
+
+# On a CPU without AVX-512, a minibatch of at least this many samples runs its dots as XLA's own
+# (Eigen) dots instead of YNNPACK fusions (xla_options): faster on big minibatches there, slower on
+# small ones, and slower at every size on a CPU with AVX-512 (docs/speed.md).
+EIGEN_DOTS_FROM_MINIBATCH = 4096
+
+
+SLICE_SAMPLES = 2048  # --slices auto: a minibatch slice's activations (64 wide: 512 KB) stay in a core's cache
+
+
+MAX_SLICES = 8  # and at most this many (compile time grows with each; more ran no faster)
+
+
+GRAD_CHUNK_ROWS = 128  # a small Dense kernel's gradient as a sum over chunks of this many rows (kernel_grad)
+
+
+def slices_per_pass(config: Config, shards: int = 1) -> int:
+    """--slices, with 0 (auto) resolved: on CPU, for feedforward networks, the most slices of at
+    least SLICE_SAMPLES samples of a minibatch (with sharded envs, of each device's part of it), up
+    to MAX_SLICES, that divide it."""
+    if config.slices or config.recurrent != "none" or jax.default_backend() != "cpu":
+        return config.slices or 1
+    samples = config.minibatch_size // shards
+    most = max(1, min(MAX_SLICES, samples // SLICE_SAMPLES))
+    return max([n for n in range(1, most + 1) if samples % n == 0])
+
+
+def grad_chunk_rows() -> int:
+    """The networks' Dense grad_chunk: GRAD_CHUNK_ROWS on CPU; 0 (JAX's own gradient) on accelerators."""
+    return GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0
+
+
+@functools.cache
+def cpu_has_avx512() -> bool:
+    """Whether this machine's CPU has AVX-512 (Linux's /proc/cpuinfo; True where unknown, which keeps
+    XLA's defaults)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512f" in f.read()
+    except OSError:
+        return True
+
+
+def xla_options(config: Config | None = None) -> dict[str, Any] | None:
+    """Options for compiling our programs (config: the run's, for the minibatch size). On CPU:
+    - XLA's generated loops go through LLVM at optimisation level 1 instead of 3 (compile time):
+      they run as fast, as their heavy ops, the dots, are library calls that the level does not touch.
+    - Without AVX-512, from EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, no YNNPACK fusions
+      (speed; with AVX-512 YNNPACK is faster at every size, and stays on).
+    Accelerators keep XLA's defaults. Figures: docs/speed.md."""
+    if jax.default_backend() != "cpu":
+        return None
+    options = {"xla_backend_optimization_level": 1}
+    if config is not None and config.minibatch_size >= EIGEN_DOTS_FROM_MINIBATCH and not cpu_has_avx512():
+        options["xla_cpu_experimental_ynn_fusion_type"] = ""  # the empty set of fusion types
+    return options
+
+
+def init_xla_options() -> dict[str, Any] | None:
+    """Options for compiling the init program, which runs once, so that only its compile time counts.
+    On CPU: LLVM at optimisation level 0, and XLA's older loop emitters, which compile faster than its
+    fusion emitters and make slower loops (see xla_options). Unoptimised code forms no fused multiply-adds, so the init's floats can differ in the last bits
+    from those of an optimised compile: of make_train jitted as one program, say."""
+    if jax.default_backend() != "cpu":
+        return None
+    return {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off inside the block (compile time: tracing a program
+    allocates many short-lived objects, and the collector's passes over them are wasted). What the
+    block leaves is collected as usual afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 if __name__ == "__main__":
