@@ -1838,10 +1838,12 @@ class RunRecorder:
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no episode ended in the chunk
             mean_return = np.nanmean(returns)
         rate = (done - self.done) * self.config.batch_size * self.config.num_seeds / (now - self.time)
+        # Decided before the progress line is shown, so a signal sent on seeing it stops after the next chunk.
+        stop = self.stop.signal is not None
         self.progress.show(done, f"update {done}/{self.config.num_updates}  return {mean_return:.1f}  "
                                  f"{rate:,.0f} env steps/s")
         self.done, self.time = done, now
-        return self.stop.signal is not None
+        return stop
 
 
 def train_run(config: Config, run_dir: str | None, start: Checkpoint | None = None) -> tuple[RunResult, str]:
@@ -2850,13 +2852,13 @@ def main(argv: Sequence[str] | None = None):
           + (f", resumed at update {start.updates_done}" if start else ""))
     try:
         result, status = train_run(config, run_dir, start)
+        if writer:
+            write_outputs(run_dir, config, result, status)
     except KeyboardInterrupt:  # a second Ctrl-C: the chunk under way is lost, the checkpoint before it stays
         if run_dir is not None and os.path.exists(os.path.join(run_dir, CHECKPOINT)):
             exit_at_once(f"\nstopped at once. Continue from the last checkpoint with:\n"
                          f"  python ppo_jax.py --resume {run_dir}")
         exit_at_once(f"\nstopped at once, before the first checkpoint: nothing to resume in {run_dir}")
-    if writer:
-        write_outputs(run_dir, config, result, status)
     if config.table_rows:
         print(format_table(result.metrics, config.table_rows))
     finals = final_return(result.metrics)
