@@ -124,8 +124,8 @@ class HParams:
        (--slices; automatic on CPU for big minibatches) and over devices (--env-devices), and the
        parts' gradients are averaged. A per-minibatch statistic (e.g. normalising advantages) goes
        in epoch_step, not in ppo_loss (test_slices_give_the_whole_minibatch_gradient_step fails).
-    3. A statistic over the whole batch inside the update goes through over_shards (an agent's envs
-       may be sharded over devices, each holding its part of the batch).
+    3. A statistic over the whole batch inside the update goes through Parts.device_mean / device_sum
+       (an agent's envs may be sharded over devices, each holding its part of the batch).
     4. A new field defaults to the old behaviour, so old checkpoints and sweep specs still run.
     """
 
@@ -752,14 +752,14 @@ def estimate_advantages(params, traj: Transition, config: Config, env: VecEnv, n
     step's true next state (one batched pass of one step each, continuing from the state after that
     step; where no episode ended, final_obs is simply the next observation). Truncation bootstraps
     unless --no-bootstrap-truncation. Another advantage estimator replaces this function."""
-    steps, slices = config.num_steps * env.num_envs, slices_per_pass(config, env.shards)  # this device's envs
+    steps = config.num_steps * env.num_envs  # this device's envs
 
     def next_value(part):  # (final observations, hidden states) of some steps -> their values
         obs, hidden = part
         return policy_step(network, params, obs, jnp.zeros(len(obs), bool), hidden)[2]
 
     final = (traj.final_obs.reshape(steps, -1), traj.hidden.reshape(steps, -1))
-    next_values = over_slices(next_value, final, slices).reshape(config.num_steps, env.num_envs)
+    next_values = Parts.of(config, env).map(next_value, final).reshape(config.num_steps, env.num_envs)
     terminated = jnp.where(hparams.bootstrap_truncation, traj.terminated, traj.done)
     return compute_gae(traj.reward, traj.value, next_values, terminated, traj.done, hparams.gamma, hparams.gae_lambda)
 
@@ -836,7 +836,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     start_hidden = state.hidden
     state, traj = collect_rollout(state, env, network, config.num_steps, hparams)
     advantages, targets = estimate_advantages(state.params, traj, config, env, network, hparams)
-    slices = slices_per_pass(config, env.shards)  # --slices (speed: see over_slices)
+    parts = Parts.of(config, env)  # how the passes over the batch are split (speed and devices: Parts)
     recurrent = network.recurrent_size > 0
     batch = make_batch(traj, advantages, targets, start_hidden, recurrent, env.shards)  # the whole agent's
     # This device's envs alone, for the KL pass (unsharded: the batch itself).
@@ -849,7 +849,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     flat_params, unravel = ravel_pytree(state.params)
     lr = learning_rate(hparams, state.update, config.num_updates)
     step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, hparams=hparams, lr=lr,
-                                kl_coef=state.kl_coef, slices=slices, shards=env.shards)
+                                kl_coef=state.kl_coef, parts=parts)
     epoch = functools.partial(epoch_step, batch=batch, num_minibatches=config.num_minibatches, step_fn=step_fn,
                               norm_adv=hparams.norm_adv, shards=env.shards)
     (flat_params, opt_state, _), diagnostics = jax.lax.scan(
@@ -858,14 +858,12 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
 
     # PPO-Penalty: d = the exact mean KL between the old and the updated policy over the batch.
     new_kl = lambda part: jnp.mean(part.dist.kl(network.apply(params, part.obs, part.first, part.hidden)[1]))  # noqa: E731
-    means = over_shards(jax.lax.pmean, {"kl": over_slices(new_kl, own, slices, mean=True),
-                                        "ref_kl": jnp.mean(traj.ref_kl)}, env.shards)
-    kl = means["kl"]
+    kl = parts.mean(new_kl, own)
     kl_coef = jnp.where(hparams.kl_target > 0, adaptive_kl_coef(state.kl_coef, kl, hparams.kl_target), state.kl_coef)
 
     ended = traj.done.astype(jnp.float32)
-    sums = over_shards(jax.lax.psum, {"episodes": jnp.sum(ended), "return": jnp.sum(ended * traj.episode_return),
-                                      "length": jnp.sum(ended * traj.episode_length)}, env.shards)
+    sums = parts.device_sum({"episodes": jnp.sum(ended), "return": jnp.sum(ended * traj.episode_return),
+                             "length": jnp.sum(ended * traj.episode_length), "ref_kl": jnp.mean(traj.ref_kl)})
     grad_steps = diagnostics.pop("grad_steps")
     metrics = {  # one scalar each; NaN return/length when no episode ended in this update
         "episode_return": sums["return"] / sums["episodes"],
@@ -874,7 +872,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
         **{name: jnp.mean(value) for name, value in diagnostics.items()},  # mean over epochs x minibatches
         "kl": kl,
         "kl_coef": state.kl_coef,  # the beta this update used
-        "ref_kl": jnp.where(hparams.ref_kl_coef > 0, means["ref_kl"], jnp.nan),
+        "ref_kl": jnp.where(hparams.ref_kl_coef > 0, sums["ref_kl"] / env.shards, jnp.nan),  # mean over devices
         "grad_steps": jnp.sum(grad_steps),
         "explained_variance": explained_variance(batch.value, batch.targets),
         "learning_rate": lr,
@@ -924,16 +922,14 @@ def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn, 
     return jax.lax.scan(step_fn, carry, minibatches)
 
 
-def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_coef, slices: int, shards: int = 1):
+def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_coef, parts: Parts):
     """One gradient step on the flat parameter vector (`unravel` gives the network's params), unless
     --target-kl has stopped this update (a mask, not a branch, so the whole update stays one program).
-    Its gradient is computed in `slices` slices (--slices). With sharded envs, `minibatch` is this
-    device's part of it, and the gradient and diagnostics are averaged over the devices (the parts
-    are equal), so that every device takes the same step."""
+    The gradient and diagnostics are the mean of the minibatch's parts (rule 2): with sharded envs
+    `minibatch` is this device's part, and every device takes the same step."""
     flat_params, opt_state, stopped = carry
     grad = jax.grad(lambda flat, part: ppo_loss(unravel(flat), network, part, hparams, kl_coef), has_aux=True)
-    grads, diagnostics = over_slices(lambda part: grad(flat_params, part), minibatch, slices, mean=True)
-    grads, diagnostics = over_shards(jax.lax.pmean, (grads, diagnostics), shards)
+    grads, diagnostics = parts.mean(lambda part: grad(flat_params, part), minibatch)
     stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
     diagnostics["grad_norm"] = jnp.sqrt(jnp.sum(grads**2))  # before clipping; non-finite: see the NaN guard
     direction, opt_state = adam_step(grads, diagnostics["grad_norm"], opt_state, hparams, stopped)
@@ -3071,6 +3067,35 @@ def order_bits_shape(rows: int, n: int) -> tuple[int, int]:
 # An agent's envs sharded over `shards` devices (run_batch, --env-devices): each device runs the
 # same program on its own envs inside a shard_map over ENV_AXIS, and these two combine the devices'
 # parts. Unsharded (shards 1) both are the identity.
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """How the update's passes over a batch are computed (static): each minibatch and pass in
+    `slices` consecutive slices (over_slices, --slices), on each of the `shards` devices an agent's
+    envs are sharded over (over_shards, --env-devices). Parts() is the whole batch on one device."""
+
+    slices: int = 1
+    shards: int = 1
+
+    @classmethod
+    def of(cls, config: Config, env: VecEnv) -> Parts:
+        return cls(slices_per_pass(config, env.shards), env.shards)
+
+    def mean(self, fn, batch):
+        """fn(batch) for an fn whose outputs are means over the samples (a loss, its gradient,
+        diagnostics): the mean of its slices' and devices' parts (rule 2)."""
+        return self.device_mean(over_slices(fn, batch, self.slices, mean=True))
+
+    def map(self, fn, batch):
+        """fn(batch) for an fn of each sample alone: this device's samples, slice by slice."""
+        return over_slices(fn, batch, self.slices)
+
+    def device_mean(self, tree):  # rule 3: of values each device computed on its part of the batch
+        return over_shards(jax.lax.pmean, tree, self.shards)
+
+    def device_sum(self, tree):
+        return over_shards(jax.lax.psum, tree, self.shards)
+
+
 def gather_envs(tree, shards: int, axis: int = 1):
     """Every device's part of `tree` along `axis` (its env axis), in env order: the whole agent's."""
     if shards == 1:

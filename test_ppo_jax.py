@@ -869,7 +869,7 @@ def test_slices_give_the_whole_minibatch_gradient_step():
     tx = P.make_optimizer(hparams)
 
     def step(slices):
-        fn = lambda carry, mb: P.minibatch_step(carry, mb, network, unravel, hparams, 1e-3, 0.5, slices)  # noqa: E731
+        fn = lambda carry, mb: P.minibatch_step(carry, mb, network, unravel, hparams, 1e-3, 0.5, P.Parts(slices))  # noqa: E731
         return jax.jit(fn)((flat, tx.init(flat), jnp.array(False)), minibatch)
 
     (whole_params, whole_adam, _), whole = step(1)
