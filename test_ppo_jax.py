@@ -445,7 +445,7 @@ def test_hparams_are_traced_not_compiled_in():
 # truncations, final observations), the state before the update and the epochs' sample orders.
 
 
-def reference_network(params, obs, discrete: bool):
+def reference_network(params, obs):
     """The actor-critic MLP (separate tanh trunks, linear heads) from its parameter dict: obs [B, D]
     -> (policy output [B, A]: logits or Gaussian means, log_std [A] (None if discrete), values [B])."""
     p = params["params"]
@@ -501,9 +501,9 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
 
         raw_obs = f64(flat(raw.obs))
         obs, final_obs = normalise(raw_obs, state.obs_stats), normalise(f64(flat(raw.final_obs)), state.obs_stats)
-        old_out, old_log_std, old_values = reference_network(params, obs, discrete)
+        old_out, old_log_std, old_values = reference_network(params, obs)
         old_log_probs, _ = reference_log_prob_and_entropy(old_out, old_log_std, actions, discrete)
-        next_values = np.asarray(reference_network(params, final_obs, discrete)[2]).reshape(T, N)
+        next_values = np.asarray(reference_network(params, final_obs)[2]).reshape(T, N)
         values = np.asarray(old_values).reshape(T, N)
 
         # Rewards: divided by the std of the per-env discounted return (its statistics merged with this
@@ -526,8 +526,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
         ref_kl = np.nan
         if h.ref_kl_coef > 0:
             reference = f64(state.reference.params)
-            ref_out, ref_log_std, _ = reference_network(reference, normalise(raw_obs, state.reference.obs_stats),
-                                                        discrete)
+            ref_out, ref_log_std, _ = reference_network(reference, normalise(raw_obs, state.reference.obs_stats))
             ref_log_probs, _ = reference_log_prob_and_entropy(ref_out, ref_log_std, actions, discrete)
             rewards = rewards - h.ref_kl_coef * np.asarray(old_log_probs - ref_log_probs).reshape(T, N)
             ref_kl = float(reference_kl(old_out, old_log_std, ref_out, ref_log_std, discrete).mean())
@@ -546,7 +545,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
         targets, advantages, values = (advantages + values).reshape(B), advantages.reshape(B), values.reshape(B)
 
         def loss(params, idx, minibatch_advantages, kl_coef):  # PPO paper Eq. 9, with Eq. 8's penalty
-            out, log_std, new_values = reference_network(params, obs[idx], discrete)
+            out, log_std, new_values = reference_network(params, obs[idx])
             log_probs, entropy = reference_log_prob_and_entropy(out, log_std, actions[idx], discrete)
             ratio = jnp.exp(log_probs - old_log_probs[idx])
             surrogate = ratio * minibatch_advantages
@@ -600,7 +599,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
                     new_leaves.append(leaf - lr * direction)
                 params = jax.tree.unflatten(treedef, new_leaves)
 
-        new_out, new_log_std, _ = reference_network(params, obs, discrete)
+        new_out, new_log_std, _ = reference_network(params, obs)
         kl = float(reference_kl(old_out, old_log_std, new_out, new_log_std, discrete).mean())
         next_kl_coef = kl_coef
         if h.kl_target > 0:  # PPO paper Sec. 4
@@ -1954,10 +1953,9 @@ def read_metrics_csv(path) -> dict[str, np.ndarray]:
     return {name: np.array([float(row[name]) for row in rows]) for name in rows[0]}
 
 
-def cli(argv, env=None, **kwargs) -> subprocess.CompletedProcess:
+def cli(argv) -> subprocess.CompletedProcess:
     """`python ppo_jax.py ARGV` in a subprocess, as a user runs it."""
-    return subprocess.run([sys.executable, "-u", P.__file__, *argv], capture_output=True, text=True,
-                          env=env, timeout=600, **kwargs)
+    return subprocess.run([sys.executable, "-u", P.__file__, *argv], capture_output=True, text=True, timeout=600)
 
 
 def test_ctrl_c_stops_after_the_chunk_and_a_second_ctrl_c_stops_at_once(tmp_path):
