@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 import tomllib
+import traceback
 import types
 import warnings
 from typing import Annotated, Any, Literal, Sequence
@@ -57,6 +58,47 @@ import jax
 # does. A run is one call, so async dispatch buys nothing (and its thread pool sometimes never
 # returned on a 2-core machine).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def start_distributed(argv: Sequence[str]) -> None:
+    """--distributed: JAX's multi-process runtime must start before any backend, so its flags are
+    read here. main() reports a failure in one line; so does a watchdog when the processes do not
+    meet in time (the runtime would abort with a stack trace)."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    early.add_argument("--distributed", action="store_true")
+    early.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
+    for name in ("--num-processes", "--process-id", "--distributed-timeout"):
+        early.add_argument(name, type=int)
+    watchdog = None
+    try:
+        options = early.parse_known_args(["--" + a[2:].replace("_", "-") if a[:2] == "--" else a for a in argv])[0]
+        address, timeout = options.coordinator_address, max(1, options.distributed_timeout or 300)
+        if not options.distributed or "--no-distributed" in argv:
+            return
+        if address and not (address.rpartition(":")[2].isdigit() and 0 < int(address.rpartition(":")[2]) < 65536):
+            raise ValueError(f"--coordinator-address (or $JAX_COORDINATOR_ADDRESS) {address}: give HOST:PORT")
+
+        def give_up():
+            print(f"error: --distributed: the processes did not meet at {address or 'the detected coordinator'} "
+                  f"within {timeout} s (--distributed-timeout): start all --num-processes, each with process 0's "
+                  "HOST:PORT as --coordinator-address", file=sys.stderr, flush=True)
+            os._exit(2)
+
+        watchdog = threading.Timer(timeout, give_up)
+        watchdog.start()
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives over TCP
+        jax.distributed.initialize(address, options.num_processes, options.process_id,
+                                   initialization_timeout=timeout + 60)  # the watchdog speaks first
+    except (Exception, SystemExit) as error:  # noqa: BLE001 (argparse's errors too): main() reports it
+        DISTRIBUTED_FAILURE.append(error)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+DISTRIBUTED_FAILURE: list[Exception] = []
+if __name__ == "__main__":  # when imported, the importer starts the runtime (jax.distributed.initialize)
+    start_distributed(sys.argv[1:])
 
 
 def usable_cores() -> int:  # the cores this process may run on
@@ -258,8 +300,18 @@ class Config:
     minibatches while each keeps at least SHARD_SAMPLES samples of a minibatch (on CPU every core is
     a device: see docs/speed.md); 1: never. Single host only (--distributed shards agents alone)."""
     distributed: bool = False
-    """Call jax.distributed.initialize() first: run the same command on every host of a multi-host
-    slice; the batch is sharded over all their devices and host 0 writes the outputs."""
+    """Multi-process (multi-host): run the same command in every process; each runs its devices'
+    share of the agents, and process 0 writes the outputs. The cluster is detected (SLURM, Open MPI,
+    Kubernetes, Cloud TPU) or given by the three flags below or $JAX_COORDINATOR_ADDRESS. Only as
+    `python ppo_jax.py` (its runtime starts before anything else of JAX)."""
+    coordinator_address: str | None = None
+    """--distributed: HOST:PORT of process 0, where every process meets (default: detected)."""
+    num_processes: int | None = None
+    """--distributed: how many processes take part (default: detected)."""
+    process_id: int | None = None
+    """--distributed: this process's number, 0 .. num_processes - 1 (default: detected)."""
+    distributed_timeout: int = 300
+    """--distributed: seconds to wait for every process to reach the coordinator before giving up."""
     compile_cache: str = os.environ.get("PPO_JAX_COMPILE_CACHE", "~/.cache/ppo_jax")
     """Keep compiled programs in this directory (JAX's persistent compilation cache): a later run of
     the same static config, whatever its HParams, skips XLA's compile. "" turns it off. Default:
@@ -1406,9 +1458,12 @@ STATIC_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"hparams"}
 HPARAM_FIELDS = {f.name for f in dataclasses.fields(HParams)}
 
 
+DISTRIBUTED_FIELDS = ("distributed", "coordinator_address", "num_processes", "process_id", "distributed_timeout")
+
+
 RUN_FIELDS = {  # not part of a spec: they change how a run is driven and reported, never its results
-    "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "env_devices", "distributed", "compile_cache",
-    "checkpoint_every", "resume", "eval", "episodes", "deterministic", "render", "quiet"}
+    "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "env_devices", "compile_cache",
+    "checkpoint_every", "resume", "eval", "episodes", "deterministic", "render", "quiet", *DISTRIBUTED_FIELDS}
 
 
 def flag(name: str) -> str:
@@ -1550,6 +1605,15 @@ def stack_hparams(points: Sequence[HParams]) -> HParams:
         return array if array.dtype == bool else array.astype(np.float32)
 
     return jax.tree.map(stack, *points)
+
+
+def largest_in_any_process(value: int) -> int:
+    """The largest of every process's `value` (with --distributed a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
 
 
 def to_host(tree):
@@ -1835,6 +1899,7 @@ class RunRecorder:
             mean_return = np.nanmean(returns)
         rate = (done - self.done) * self.config.batch_size * self.config.num_seeds / (now - self.time)
         # Decided before the progress line is shown, so a signal sent on seeing it stops after the next chunk.
+        self.stop.signal = largest_in_any_process(self.stop.signal or 0) or None  # every process stops, or none
         stop = self.stop.signal is not None
         self.progress.show(done, f"update {done}/{self.config.num_updates}  return {mean_return:.1f}  "
                                  f"{rate:,.0f} env steps/s")
@@ -2711,10 +2776,10 @@ def load_run_config(run_dir: str, flag_name: str) -> Config:
         raise ConfigError(f"{flag_name} {run_dir}: config.json is not a ppo_jax config ({error})") from None
 
 
-RESUME_FLAGS = {"resume", "table_rows", "compile_cache", "checkpoint_every", "quiet", "sweep_chunk", "distributed"}
+RESUME_FLAGS = {"resume", "table_rows", "compile_cache", "checkpoint_every", "quiet", "sweep_chunk", *DISTRIBUTED_FIELDS}
 
 
-EVAL_FLAGS = {"eval", "episodes", "deterministic", "render", "params_index", "seed", "compile_cache", "distributed"}
+EVAL_FLAGS = {"eval", "episodes", "deterministic", "render", "params_index", "seed", "compile_cache"}
 
 
 def check_flags(argv: Sequence[str], allowed: set[str], flag_name: str, run_dir: str) -> None:
@@ -2781,6 +2846,28 @@ def run_eval(cli: Config, argv: Sequence[str]) -> np.ndarray:
     return returns
 
 
+def check_distributed(config: Config, argv: Sequence[str]) -> None:
+    """Whether --distributed's runtime started (start_distributed), or one line on why not."""
+    given = explicit_fields(argv) & set(DISTRIBUTED_FIELDS[1:])
+    if not config.distributed:
+        if given:
+            raise ConfigError(f"{flag(sorted(given)[0])} only applies with --distributed")
+        return
+    if config.eval:
+        raise ConfigError("--eval runs in one process: drop --distributed")
+    if DISTRIBUTED_FAILURE and str(DISTRIBUTED_FAILURE[0]).startswith("--coordinator-address"):
+        raise ConfigError(str(DISTRIBUTED_FAILURE[0]))
+    if DISTRIBUTED_FAILURE:
+        error = str(DISTRIBUTED_FAILURE[0]).strip().splitlines() or [type(DISTRIBUTED_FAILURE[0]).__name__]
+        raise ConfigError(f"--distributed: the runtime did not start ({error[0][:300]}): outside a detected cluster "
+                          "(SLURM, Open MPI, Kubernetes, Cloud TPU) give --coordinator-address HOST:PORT "
+                          "--num-processes N --process-id I")
+    if not jax.distributed.is_initialized():
+        raise ConfigError("--distributed: start it as `python ppo_jax.py --distributed ...` (the multi-process "
+                          "runtime must start before JAX's backend), or call jax.distributed.initialize() "
+                          "before importing ppo_jax")
+
+
 def fail(error: ConfigError):
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2)
@@ -2791,8 +2878,42 @@ def main(argv: Sequence[str] | None = None):
     list of SweepSetting), or --eval (returns the returns [seeds, episodes])."""
     argv = list(sys.argv[1:] if argv is None else argv)
     config = parse_config(argv)
-    if config.distributed:
-        jax.distributed.initialize()  # before anything touches a device
+    try:
+        check_distributed(config, argv)
+    except ConfigError as error:
+        fail(error)
+    return run_command(config, argv) if jax.process_count() == 1 else run_process(config, argv)
+
+
+def run_process(config: Config, argv: list[str]):
+    """--distributed: run_command in one of the processes. Process 0 reports as a single process
+    does; the others print one line at the end. When another process is lost, this one ends at once
+    with one line (the runtime would wait out its heartbeat timeout, then abort with a stack trace)."""
+    me, ending = f"process {jax.process_index()} of {jax.process_count()}", "done"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if jax.process_index() else contextlib.nullcontext():
+            return run_command(config, argv)
+    except SystemExit as error:
+        ending = f"stopped (exit status {error.code})"
+        raise
+    except Exception as error:  # noqa: BLE001
+        lost = any(sign in str(error) for sign in ("Gloo", "NCCL", "UNAVAILABLE", "DEADLINE_EXCEEDED", "Connection"))
+        if lost:
+            print(f"error: {me}: another process stopped or cannot be reached ({str(error).strip().splitlines()[0]}). "
+                  "Start the run again; --resume RUN_DIR continues from its last checkpoint", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        if jax.process_index():
+            print(f"{me}: {ending} ({jax.local_device_count()} of the {jax.device_count()} "
+                  f"{jax.devices()[0].platform} devices; process 0 writes the outputs)", flush=True)
+
+
+def run_command(config: Config, argv: list[str]):
+    """main() once the command line is parsed (and, with --distributed, the processes have met)."""
     if config.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -2809,11 +2930,17 @@ def main(argv: Sequence[str] | None = None):
             config, start = resume_config(config, argv)
         elif config.sweep or config.sweep_set:
             sweep = load_sweep(config, command_line_overrides(argv, config))
-            check_run_dir_is_new(config.run_dir)
+            if jax.process_index() == 0:
+                check_run_dir_is_new(config.run_dir)
         else:
-            validate(config)
+            validate(config, check_run_dir=jax.process_index() == 0)  # process 0 alone creates it
+        refused = None
     except ConfigError as error:
-        fail(error)
+        refused = error
+    if jax.process_count() > 1 and largest_in_any_process(refused is not None) and not refused:  # all or none go on
+        refused = ConfigError("another process refused the command line (its error line says why)")
+    if refused:
+        fail(refused)
     writer = jax.process_index() == 0
 
     if config.sweep or config.sweep_set:
@@ -2831,7 +2958,8 @@ def main(argv: Sequence[str] | None = None):
         try:
             settings = run_sweep(sweep, run_dir, config.sweep_chunk, config.quiet)
         except KeyboardInterrupt:
-            exit_at_once(f"\ninterrupted: {run_dir}/ holds the static settings finished so far")
+            exit_at_once(f"\ninterrupted: {run_dir}/ holds the static settings finished so far" if writer
+                         else f"\nprocess {jax.process_index()}: interrupted")
         print(f"outputs: {run_dir}/")
         return settings
 
@@ -2851,7 +2979,9 @@ def main(argv: Sequence[str] | None = None):
         if writer:
             write_outputs(run_dir, config, result, status)
     except KeyboardInterrupt:  # a second Ctrl-C: the chunk under way is lost, the checkpoint before it stays
-        if run_dir is not None and os.path.exists(os.path.join(run_dir, CHECKPOINT)):
+        if not writer:
+            exit_at_once(f"\nprocess {jax.process_index()}: stopped at once")
+        if os.path.exists(os.path.join(run_dir, CHECKPOINT)):
             exit_at_once(f"\nstopped at once. Continue from the last checkpoint with:\n"
                          f"  python ppo_jax.py --resume {run_dir}")
         exit_at_once(f"\nstopped at once, before the first checkpoint: nothing to resume in {run_dir}")
@@ -2867,12 +2997,14 @@ def main(argv: Sequence[str] | None = None):
           f"{result.steps_per_second:,.0f} env steps/s")
     print(f"outputs: {run_dir}/")
     if status.startswith("diverged"):
-        print(f"error: the run {status} (non-finite). Kept: the checkpoint of the last finite chunk; params.msgpack "
-              "holds that chunk's policy, if any. Try a lower --lr or --max-grad-norm.", file=sys.stderr)
+        if writer:
+            print(f"error: the run {status} (non-finite). Kept: the checkpoint of the last finite chunk; "
+                  "params.msgpack holds that chunk's policy, if any. Try a lower --lr or --max-grad-norm.", file=sys.stderr)
         raise SystemExit(1)
     if status.startswith("interrupted"):
-        print(f"{status} at update {result.metrics['env_steps'].shape[1]}/{config.num_updates}. Continue with:\n"
-              f"  python ppo_jax.py --resume {run_dir}", file=sys.stderr)
+        if writer:
+            print(f"{status} at update {result.metrics['env_steps'].shape[1]}/{config.num_updates}. Continue with:\n"
+                  f"  python ppo_jax.py --resume {run_dir}", file=sys.stderr)
         raise SystemExit(128 + int(signal.Signals[status.split()[-1]]))
     return result
 

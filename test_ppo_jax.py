@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -2215,3 +2216,139 @@ def test_normalized_score_is_0_for_the_random_policy_and_1_for_the_best_point():
     np.testing.assert_allclose(P.normalized_scores([first]), [0.0, 0.5, 1.0, nan])
     np.testing.assert_allclose(P.normalized_scores([second]), [0.0, 1.0, 0.0, nan])
     np.testing.assert_allclose(P.normalized_scores([first, second]), [0.0, 0.75, 0.5, nan])
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-process (--distributed): several processes on 127.0.0.1, one CPU device each
+# ------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv, processes: int, slurm: bool = False, started=None) -> list[subprocess.Popen]:
+    """`python ppo_jax.py --distributed ARGV` in `processes` processes of one CPU device each (or only
+    those `started`), as a user starts them by hand (the three flags) or as a SLURM step sets them."""
+    port, popens = free_port(), []
+    for i in range(processes) if started is None else started:
+        env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}
+        if slurm:  # JAX detects the cluster from what srun sets; the coordinator from $JAX_COORDINATOR_ADDRESS
+            env |= {"SLURM_JOB_ID": "7", "SLURM_NTASKS": str(processes), "SLURM_PROCID": str(i), "SLURM_LOCALID": "0",
+                    "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "localhost", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"}
+            flags = []
+        else:
+            flags = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id", str(i)]
+        popens.append(subprocess.Popen([sys.executable, "-u", P.__file__, "--distributed", *flags, *argv], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return popens
+
+
+def finish(popens, timeout=300) -> list[tuple[int, str, str]]:
+    outputs = [p.communicate(timeout=timeout) for p in popens]
+    return [(p.returncode, out, err) for p, (out, err) in zip(popens, outputs)]
+
+
+def own_lines(out: str) -> list[str]:  # a process's stdout without the gloo library's connection line
+    return [line for line in out.splitlines() if line and not line.startswith("[Gloo]")]
+
+
+def on_devices(argv, devices: int) -> subprocess.CompletedProcess:
+    """The same command in one process of `devices` CPU devices."""
+    return subprocess.run([sys.executable, "-u", P.__file__, *argv], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_NUM_CPU_DEVICES": str(devices)})
+
+
+def results_without_speed(path) -> list[list[str]]:
+    return [row[:-1] for row in csv.reader(open(path))]  # the last column is agents' steps per second
+
+
+DISTRIBUTED_TINY = ["--total-timesteps", str(4 * 32 * 12), "--num-steps", "32", "--hidden-sizes", "16",
+                    "--num-seeds", "2", "--table-rows", "0", "--quiet"]
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_distributed_sweep_equals_one_process_with_as_many_devices(tmp_path, processes):
+    """3 points x 2 seeds over 2 (then 3, in chunks of agents) processes give the results.csv of one
+    process with as many devices; process 0 writes and reports, the others say one line each."""
+    argv = [*DISTRIBUTED_TINY, "--sweep-set", "lr=1e-4,1e-3,1e-2"] + (["--sweep-chunk", "4"] if processes == 3 else [])
+    ends = finish(launch([*argv, "--run-dir", str(tmp_path / "many")], processes))
+    for i, (code, out, err) in enumerate(ends):
+        assert code == 0, (i, err[-3000:])
+        if i:
+            assert own_lines(out) == [f"process {i} of {processes}: done (1 of the {processes} cpu devices; "
+                                      "process 0 writes the outputs)"], out
+    assert f"x seeds = 6 agents, sharded over {processes} cpu device(s)" in ends[0][1]
+    one = on_devices([*argv, "--run-dir", str(tmp_path / "one")], processes)
+    assert one.returncode == 0, one.stderr[-3000:]
+    expected = results_without_speed(tmp_path / "one" / "results.csv")
+    assert len(expected) == 1 + 6 and results_without_speed(tmp_path / "many" / "results.csv") == expected
+    assert sorted(os.listdir(tmp_path / "many")) == sorted(os.listdir(tmp_path / "one"))
+
+
+def test_distributed_run_stops_on_one_signal_resumes_and_equals_one_process(tmp_path):
+    """A 2-seed run over 2 SLURM-launched processes: SIGTERM to process 0 alone stops both after the
+    same chunk (each exits 143); --resume over 2 processes then ends where one process of 2 devices
+    ends, byte for byte (metrics.csv, params, checkpoint)."""
+    run_dir, argv = tmp_path / "run", [*RESUME_ARGV, "--total-timesteps", str(4 * 32 * 40)]
+    popens = launch([*argv, "--run-dir", str(run_dir)], 2, slurm=True)
+    for line in popens[0].stdout:  # no sleeping: signal on the first progress line
+        if "update 5/40" in line:
+            popens[0].send_signal(subprocess.signal.SIGTERM)
+            break
+    ends = finish(popens)
+    assert [code for code, _, _ in ends] == [143, 143], [err[-2000:] for _, _, err in ends]
+    assert f"Continue with:\n  python ppo_jax.py --resume {run_dir}" in ends[0][2]
+    assert own_lines(ends[1][1]) == ["process 1 of 2: stopped (exit status 143) (1 of the 2 cpu devices; "
+                                     "process 0 writes the outputs)"]
+    done = P.load_checkpoint(str(run_dir), P.load_run_config(str(run_dir), "--resume")).updates_done
+    assert 5 <= done < 40
+    ends = finish(launch(["--resume", str(run_dir)], 2))
+    assert [code for code, _, _ in ends] == [0, 0], [err[-2000:] for _, _, err in ends]
+    one = on_devices([*argv, "--run-dir", str(tmp_path / "one")], 2)
+    assert one.returncode == 0, one.stderr[-2000:]
+    for name in ("metrics.csv", "params.msgpack", P.CHECKPOINT):
+        assert (run_dir / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def test_distributed_faults_are_one_line(tmp_path):
+    """A process that cannot meet the others (nothing at the coordinator's address) gives up after
+    --distributed-timeout; a killed process ends the other at once; bad flags are refused before
+    the runtime starts: each in one line."""
+    lonely = launch([*DISTRIBUTED_TINY, "--distributed-timeout", "3", "--run-dir", str(tmp_path / "x")], 2, started=[1])
+    (code, out, err), = finish(lonely, timeout=60)
+    assert code == 2 and err.splitlines() == [err.strip()] and "the processes did not meet at 127.0.0.1:" in err, err
+    assert not (tmp_path / "x").exists()
+
+    popens = launch(["--total-timesteps", str(512 * 4000), "--checkpoint-every", "200", "--run-dir",
+                     str(tmp_path / "killed")], 2)
+    for line in popens[0].stdout:
+        if "update 200/4000" in line:
+            popens[1].kill()
+            break
+    (code, out, err), _ = finish(popens, timeout=60)  # well within the runtime's heartbeat timeout
+    assert code == 1 and "error: process 0 of 2: another process stopped or cannot be reached" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+    (tmp_path / "taken").mkdir()  # process 0 refuses an existing --run-dir; the other one stops with it
+    ends = finish(launch([*DISTRIBUTED_TINY, "--run-dir", str(tmp_path / "taken")], 2), timeout=120)
+    assert [code for code, _, _ in ends] == [2, 2] and os.listdir(tmp_path / "taken") == []
+    assert ends[0][2].strip() == f"error: --run-dir {tmp_path / 'taken'} already exists: pick a new directory " \
+        "(nothing is overwritten)"
+    assert "error: another process refused the command line (its error line says why)" in ends[1][2]
+
+    for argv, words in (
+        (["--distributed"], "--distributed: the runtime did not start"),
+        (["--distributed", "--coordinator-address", "localhost"], "--coordinator-address (or $JAX_COORDINATOR_ADDRESS) localhost: give HOST:PORT"),
+        (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+         "process_id < num_processes"),
+        (["--num-processes", "2"], "--num-processes only applies with --distributed"),
+    ):
+        done = cli(argv)
+        assert done.returncode == 2 and done.stderr.startswith(f"error: ") and words in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    with pytest.raises(SystemExit) as stop:  # imported, the runtime cannot start any more
+        P.main(["--distributed", "--run-dir", str(tmp_path / "y")])
+    assert stop.value.code == 2 and not (tmp_path / "y").exists()
