@@ -35,6 +35,7 @@ import csv
 import dataclasses
 import datetime
 import difflib
+import errno
 import functools
 import gc
 import importlib
@@ -42,6 +43,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -2204,7 +2206,7 @@ def append_results_csv(path: str, sweep: Sweep, i: int, setting: SweepSetting) -
     hparam_names = [f.name for f in dataclasses.fields(HParams)]
     new_file = not os.path.exists(path)
     finals, aucs = setting.final(), setting.auc()
-    with open(path, "a", newline="") as f:
+    with writing(path), open(path, "a", newline="") as f:
         writer = csv.writer(f)
         if new_file:
             writer.writerow(["static", "env", "point", "label", "seed"] + hparam_names +
@@ -2281,8 +2283,7 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
         if len(sweep.points) <= 12:
             ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, os.path.join(run_dir, "curves.png"), dpi=110)
 
     for name in sweep.swept:
         fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.8), squeeze=False)
@@ -2296,8 +2297,7 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
             ax.set(xlabel=name, ylabel="final return (mean ± std over seeds)", title=setting_name(i, setting.config))
             ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
-        plt.close(fig)
+        save_figure(fig, os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
 
 
 def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> str:
@@ -2306,9 +2306,10 @@ def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]
         warnings.simplefilter("ignore", RuntimeWarning)
         append_results_csv(os.path.join(run_dir, "results.csv"), sweep, len(settings) - 1, settings[-1])
         rows, text = summarize_sweep(sweep, settings)
-        plot_sweep(run_dir, sweep, settings)
-    with open(os.path.join(run_dir, "summary.csv"), "w", newline="") as f:
-        csv.writer(f).writerows(rows)
+        table = io.StringIO()
+        csv.writer(table).writerows(rows)
+        write_atomically(os.path.join(run_dir, "summary.csv"), table.getvalue().encode())
+        plot(plot_sweep, run_dir, sweep, settings)
     return text
 
 
@@ -2388,22 +2389,32 @@ def format_table(metrics: dict[str, np.ndarray], rows: int) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 
 
-def new_run_dir(requested: str | None, name: str) -> str:
-    """Create and return a fresh run directory (`requested`, or runs/<name>-<timestamp>); never
-    reuse an existing one."""
-    if requested is not None:
-        os.makedirs(requested)  # raises if it appeared since validate(): nothing is overwritten
-        return requested
+def new_run_dir(requested: str | None, name: str, first_file: str, text: str) -> str:
+    """Create a fresh run directory (`requested`, or runs/<name>-<timestamp>; never an existing one)
+    holding its first file (config.json or sweep.toml), before anything compiles. One that cannot
+    be made or written is a ConfigError (exit 2) and leaves nothing behind."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = os.path.join("runs", f"{name}-{stamp}")
-    path, suffix = base, 1
+    path, suffix = requested or os.path.join("runs", f"{name}-{stamp}"), 1
     while True:
         try:
             os.makedirs(path)
-            return path
+            break
         except FileExistsError:
+            if requested is not None:  # it appeared since validate(): nothing is overwritten
+                raise ConfigError(f"--run-dir {path} already exists: pick a new directory") from None
             suffix += 1
-            path = f"{base}-{suffix}"
+            path = os.path.join("runs", f"{name}-{stamp}-{suffix}")
+        except OSError as error:
+            raise ConfigError(f"--run-dir {path}: {reason(error)}: give a directory on a writable disk") from None
+    try:
+        with writing(os.path.join(path, first_file)), open(os.path.join(path, first_file), "x") as f:
+            f.write(text)
+    except WriteError as error:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(path, first_file))
+            os.rmdir(path)
+        raise ConfigError(f"--run-dir {path}: {error}") from None
+    return path
 
 
 def last_update_in_csv(path: str) -> int:
@@ -2433,19 +2444,75 @@ def append_metrics_csv(path: str, metrics: dict[str, np.ndarray]) -> None:
         for seed in range(num_seeds):
             row = [metrics[name][seed, update] for name in names]
             writer.writerow([update + 1, seed] + [f"{v:.9g}" if isinstance(v, float | np.floating) else v for v in row])
-    with open(path, "a", newline="") as f:
-        f.write(buffer.getvalue())  # one write per chunk
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    with writing(path):
+        try:
+            with open(path, "a", newline="") as f:
+                f.write(buffer.getvalue())  # one write per chunk
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.truncate(path, size)  # no partial row (a full disk may take part of the write)
+            raise
+
+
+class WriteError(Exception):
+    """An output could not be written (a full disk, a read-only or vanished directory): one line
+    that names the file and the reason; .errno says which."""
+
+    def __init__(self, message: str, code: int | None):
+        super().__init__(message)
+        self.errno = code
+
+
+def reason(error: OSError) -> str:
+    return (error.strerror or str(error)).lower()
+
+
+@contextlib.contextmanager
+def writing(path: str):
+    """Every write of a run's outputs goes through here: an OSError becomes a WriteError naming the file."""
+    try:
+        yield
+    except OSError as error:
+        raise WriteError(f"cannot write {path}: {reason(error)}", error.errno) from None
 
 
 def write_atomically(path: str, data: bytes) -> None:
     """Write to a temporary file beside `path`, then rename it over `path`: a kill mid-write leaves
-    the previous version whole."""
+    the previous version whole; a failed write leaves no temporary file."""
     temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    with writing(path):
+        try:
+            with open(temporary, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise
+
+
+TEMPORARY_FILE = re.compile(r".+\.tmp\d+")  # write_atomically's, left by a kill between write and rename
+
+
+def save_figure(fig, path: str, dpi: int) -> None:
+    import matplotlib.pyplot as plt
+
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=dpi)
+    plt.close(fig)
+    write_atomically(path, image.getvalue())
+
+
+def plot(function, *args) -> None:
+    """Draw a figure of the outputs; one that cannot be written is a warning line, not a lost run
+    (the metrics and the checkpoint are written first)."""
+    try:
+        function(*args)
+    except WriteError as error:
+        print(f"warning: {error} (the plot is skipped; the data are saved)", file=sys.stderr)
 
 
 def plot_seeds(ax, steps, returns, label: str, color=None) -> None:
@@ -2484,19 +2551,11 @@ def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=120)
-    plt.close(fig)
-    write_atomically(path, image.getvalue())
-
-
-def write_config(run_dir: str, config: Config) -> None:
-    with open(os.path.join(run_dir, "config.json"), "x") as f:  # "x": never over an existing file
-        json.dump(dataclasses.asdict(config), f, indent=2)
+    save_figure(fig, path, dpi=120)
 
 
 def write_outputs(run_dir: str, config: Config, result: RunResult, status: str = "complete") -> None:
-    """summary.json, curve.png and params.msgpack as of the updates done so far, each replaced
+    """params.msgpack, summary.json and curve.png as of the updates done so far, each replaced
     atomically (metrics.csv and the checkpoint are written after every chunk)."""
     finals = final_return(result.metrics)
     summary = {
@@ -2513,12 +2572,11 @@ def write_outputs(run_dir: str, config: Config, result: RunResult, status: str =
         "jax": jax.__version__,
         "device": str(jax.devices()[0]),
     }
+    if result.state is not None:  # None: diverged in its first chunk, no finite policy to keep
+        final_policy = Policy(result.state.params, result.state.obs_stats)  # leading [num_seeds] axis
+        write_atomically(os.path.join(run_dir, "params.msgpack"), serialization.to_bytes(jax.device_get(final_policy)))
     write_atomically(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2).encode())
-    plot_curve(os.path.join(run_dir, "curve.png"), result.metrics, f"PPO on {config.env}")
-    if result.state is None:  # diverged in its first chunk: no finite policy to keep
-        return
-    final_policy = Policy(result.state.params, result.state.obs_stats)  # leading [num_seeds] axis
-    write_atomically(os.path.join(run_dir, "params.msgpack"), serialization.to_bytes(jax.device_get(final_policy)))
+    plot(plot_curve, os.path.join(run_dir, "curve.png"), result.metrics, f"PPO on {config.env}")
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -2805,7 +2863,11 @@ def resume_config(cli: Config, argv: Sequence[str]) -> tuple[Config, Checkpoint]
         raise ConfigError(f"--resume {cli.resume}: that run {status}; it would diverge again from its last "
                           "checkpoint. Start a new run (e.g. a lower --lr, or --init-params RUN_DIR/params.msgpack)")
     checkpoint = load_checkpoint(cli.resume, config)
-    if checkpoint.updates_done >= config.num_updates:
+    if not os.access(cli.resume, os.W_OK):
+        raise ConfigError(f"--resume {cli.resume}: the directory is not writable (a read-only file system?): "
+                          "make it writable, or copy it to a writable disk and resume the copy")
+    written = status == "complete" and os.path.exists(os.path.join(cli.resume, "params.msgpack"))
+    if checkpoint.updates_done >= config.num_updates and written:  # (else: it writes the outputs a fault cut off)
         raise ConfigError(f"--resume {cli.resume}: that run is complete ({checkpoint.updates_done}/"
                           f"{config.num_updates} updates): nothing to resume")
     return config, checkpoint
@@ -2868,6 +2930,22 @@ def check_distributed(config: Config, argv: Sequence[str]) -> None:
                           "before importing ppo_jax")
 
 
+def remedy(error: WriteError) -> str:
+    return {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EROFS: "make it writable",
+            errno.EACCES: "make it writable"}.get(error.errno, "fix that")
+
+
+def way_back(run_dir: str, config: Config, error: WriteError) -> str:
+    """After a failed write mid-run: what is intact, and how to go on."""
+    if not os.path.isdir(run_dir):
+        return f"{run_dir} is gone (moved or deleted?): nothing to resume; start the run again"
+    try:
+        done = load_checkpoint(run_dir, config).updates_done
+    except ConfigError:
+        return f"No checkpoint was saved yet: {remedy(error)}, then start the run again"
+    return f"The checkpoint of update {done} is intact: {remedy(error)}, then python ppo_jax.py --resume {run_dir}"
+
+
 def fail(error: ConfigError):
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2)
@@ -2917,7 +2995,7 @@ def run_command(config: Config, argv: list[str]):
     if config.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    start = None
+    start, writer, run_dir = None, jax.process_index() == 0, None  # process 0 alone writes the run directory
     try:
         eval_only = {"episodes", "deterministic", "render"} & explicit_fields(argv)
         if eval_only and not config.eval:
@@ -2928,12 +3006,23 @@ def run_command(config: Config, argv: list[str]):
             return run_eval(config, argv)
         if config.resume:
             config, start = resume_config(config, argv)
+            if writer:
+                run_dir = config.resume
+                for name in os.listdir(run_dir):  # left by a kill between a write and its rename
+                    if TEMPORARY_FILE.fullmatch(name):
+                        with contextlib.suppress(OSError):  # (a read-only directory fails at its first write)
+                            os.remove(os.path.join(run_dir, name))
         elif config.sweep or config.sweep_set:
             sweep = load_sweep(config, command_line_overrides(argv, config))
-            if jax.process_index() == 0:
+            if writer:
                 check_run_dir_is_new(config.run_dir)
+                run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}", "sweep.toml",
+                                      resolved_sweep_toml(sweep, config.sweep or "--sweep-set"))
         else:
-            validate(config, check_run_dir=jax.process_index() == 0)  # process 0 alone creates it
+            validate(config, check_run_dir=writer)
+            if writer:
+                run_dir = new_run_dir(config.run_dir, config.env, "config.json",
+                                      json.dumps(dataclasses.asdict(config), indent=2))
         refused = None
     except ConfigError as error:
         refused = error
@@ -2941,10 +3030,8 @@ def run_command(config: Config, argv: list[str]):
         refused = ConfigError("another process refused the command line (its error line says why)")
     if refused:
         fail(refused)
-    writer = jax.process_index() == 0
 
     if config.sweep or config.sweep_set:
-        run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}") if writer else None
         agents = len(sweep.points) * sum(c.num_seeds for c in sweep.configs)
         groups = [(c, len(sweep.points) * c.num_seeds) for c in sweep.configs]  # run_batch's, per static setting
         layouts = [batch_devices(c, agents_at_once(group, config.sweep_chunk)) for c, group in groups]
@@ -2952,23 +3039,18 @@ def run_command(config: Config, argv: list[str]):
               f"x seeds = {agents} agents, sharded over {max(len(d) for d, _ in layouts)} "
               f"{jax.devices()[0].platform} device(s)"
               + (", an agent's envs over several" if max(shards for _, shards in layouts) > 1 else ""))
-        if writer:
-            with open(os.path.join(run_dir, "sweep.toml"), "w") as f:
-                f.write(resolved_sweep_toml(sweep, config.sweep or "--sweep-set"))
         try:
             settings = run_sweep(sweep, run_dir, config.sweep_chunk, config.quiet)
         except KeyboardInterrupt:
             exit_at_once(f"\ninterrupted: {run_dir}/ holds the static settings finished so far" if writer
                          else f"\nprocess {jax.process_index()}: interrupted")
+        except WriteError as error:
+            print(f"error: {error}. {run_dir}/ holds the static settings written before it; a sweep does not "
+                  f"resume: {remedy(error)}, then run it again", file=sys.stderr)
+            raise SystemExit(1)
         print(f"outputs: {run_dir}/")
         return settings
 
-    if start is None:
-        run_dir = new_run_dir(config.run_dir, config.env) if writer else None
-        if writer:
-            write_config(run_dir, config)
-    else:
-        run_dir = config.resume if writer else None
     devices, shards = batch_devices(config, agents_at_once(config.num_seeds, config.sweep_chunk))
     print(f"ppo_jax: {config.env}, {config.num_seeds} seed(s) x {config.num_updates} updates x "
           f"{config.batch_size} steps ({config.num_envs} envs x {config.num_steps}) on {len(devices)} "
@@ -2985,6 +3067,9 @@ def run_command(config: Config, argv: list[str]):
             exit_at_once(f"\nstopped at once. Continue from the last checkpoint with:\n"
                          f"  python ppo_jax.py --resume {run_dir}")
         exit_at_once(f"\nstopped at once, before the first checkpoint: nothing to resume in {run_dir}")
+    except WriteError as error:
+        print(f"error: {error}. {way_back(run_dir, config, error)}", file=sys.stderr)
+        raise SystemExit(1)
     if config.table_rows:
         print(format_table(result.metrics, config.table_rows))
     finals = final_return(result.metrics)

@@ -5,12 +5,15 @@ loop, scipy, a hand-derived value, or an equivalence (vmapped == single run).
     pytest -q -k "not learns"          # skip the slow learning tests (test_learns_*)
 """
 
+import contextlib
 import csv
 import dataclasses
+import errno
 import json
 import math
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -2352,3 +2355,176 @@ def test_distributed_faults_are_one_line(tmp_path):
     with pytest.raises(SystemExit) as stop:  # imported, the runtime cannot start any more
         P.main(["--distributed", "--run-dir", str(tmp_path / "y")])
     assert stop.value.code == 2 and not (tmp_path / "y").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults from outside: a full disk, a kill inside a write, read-only and vanished run directories
+# ------------------------------------------------------------------------------------------------
+
+
+FAULT_ARGV = ["--total-timesteps", str(4 * 32 * 1000), "--num-steps", "32", "--hidden-sizes", "16", "--num-seeds", "2",
+              "--update-epochs", "2", "--norm-obs", "--scale-reward", "--checkpoint-every", "50", "--table-rows", "0"]
+
+
+# ppo_jax.py as __main__, with one write fault planted: "nospace" (while the file FULL exists, a
+# checkpoint's fsync fails as on a full disk) or "kill" (SIGKILL between writing the third
+# checkpoint and renaming it over the second).
+FAULT_SHIM = """
+import errno, os, runpy, signal, sys
+fault, marker = sys.argv[1], sys.argv[2]
+real_fsync, real_replace, renames = os.fsync, os.replace, []
+def fsync(fd):
+    if fault == "nospace" and os.path.exists(marker):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    real_fsync(fd)
+def replace(source, target):
+    renames.append(target)
+    if fault == "kill" and sum(t.endswith("checkpoint.msgpack") for t in renames) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(source, target)
+os.fsync, os.replace = fsync, replace
+sys.argv = sys.argv[3:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@contextlib.contextmanager
+def small_disk(path):
+    """A 4 MB tmpfs at `path` where this process may mount one (root): (fill(room), free, None);
+    elsewhere a plain directory whose fill marks the disk full for FAULT_SHIM: (fill, free, shim argv)."""
+    path.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)],
+                                                   capture_output=True).returncode == 0
+    ballast = path / "ballast"
+    try:
+        if mounted:
+            def fill(room):
+                with open(ballast, "wb", buffering=0) as f:
+                    with contextlib.suppress(OSError):
+                        while True:
+                            f.write(bytes(65536))
+                os.truncate(ballast, os.path.getsize(ballast) - room)
+            yield fill, lambda: ballast.unlink(), None
+        else:
+            yield lambda room: ballast.touch(), lambda: ballast.unlink(), ["-c", FAULT_SHIM, "nospace", str(ballast)]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=True)
+
+
+def start_then_fault(argv, fault, on_line: str, shim=None) -> subprocess.CompletedProcess:
+    """Run ppo_jax.py; when a progress line with `on_line` shows, stop the process, call fault(),
+    and let it go on (no sleeping: the fault lands before its next write)."""
+    child = subprocess.Popen([sys.executable, "-u", *(shim or []), P.__file__, *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    for line in child.stdout:
+        if on_line in line:
+            child.send_signal(subprocess.signal.SIGSTOP)
+            fault()
+            child.send_signal(subprocess.signal.SIGCONT)
+            break
+    out, err = child.communicate(timeout=300)
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
+
+
+def test_a_full_disk_or_a_kill_inside_a_write_loses_nothing(tmp_path):
+    """A disk that fills mid-run: one line naming the file, the intact checkpoint and the way back,
+    exit 1, no temporary file left; after freeing space --resume ends byte-identical to a run never
+    stopped. A kill between writing a checkpoint and renaming it leaves the one before whole;
+    --resume removes the stray temporary file and ends the same."""
+    whole = cli([*FAULT_ARGV, "--run-dir", str(tmp_path / "whole")])
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    expected = {name: (tmp_path / "whole" / name).read_bytes() for name in ("metrics.csv", "params.msgpack", P.CHECKPOINT)}
+
+    with small_disk(tmp_path / "disk") as (fill, free, shim):
+        run_dir = tmp_path / "disk" / "run"
+        room = len(expected[P.CHECKPOINT]) // 3  # a chunk's metrics rows fit, a checkpoint does not
+        full = start_then_fault([*FAULT_ARGV, "--run-dir", str(run_dir)], lambda: fill(room), "update 100/1000", shim)
+        assert full.returncode == 1, full.stderr[-3000:]
+        match = re.fullmatch(rf"error: cannot write {run_dir}/checkpoint.msgpack: no space left on device\. The "
+                             rf"checkpoint of update (\d+) is intact: free space, then python ppo_jax.py --resume "
+                             rf"{run_dir}\n", full.stderr)
+        assert match and 100 <= int(match[1]) < 1000, full.stderr
+        assert sorted(os.listdir(run_dir)) == ["checkpoint.msgpack", "config.json", "metrics.csv"]
+        free()
+        resumed = cli(["--resume", str(run_dir)])
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        for name, data in expected.items():
+            assert (run_dir / name).read_bytes() == data, name
+
+    run_dir = tmp_path / "killed"
+    killed = subprocess.run([sys.executable, "-c", FAULT_SHIM, "kill", "", P.__file__, *FAULT_ARGV, "--run-dir",
+                             str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    stray = [name for name in os.listdir(run_dir) if name.startswith("checkpoint.msgpack.tmp")]
+    assert len(stray) == 1
+    assert P.load_checkpoint(str(run_dir), P.load_run_config(str(run_dir), "--resume")).updates_done == 100
+    resumed = cli(["--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert not [name for name in os.listdir(run_dir) if ".tmp" in name]
+    for name, data in expected.items():
+        assert (run_dir / name).read_bytes() == data, name
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """`path` made read-only: remounted read-only where this process mounted a tmpfs on it (root),
+    else its mode bits (which bind any other user)."""
+    if os.geteuid() == 0:
+        yield subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+        subprocess.run(["mount", "-o", "remount,rw", str(path)], check=True)
+    else:
+        path.chmod(0o555)
+        yield
+        path.chmod(0o755)
+
+
+def test_read_only_and_vanished_run_directories_are_one_line(tmp_path):
+    """A run directory that cannot be created (read-only file system) is refused before compiling,
+    exit 2, for a run and a sweep; so is --resume of a run on one; a run directory deleted mid-run
+    stops the run with one line, exit 1."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("root without mount: no way to make a read-only directory here")
+    try:
+        tiny = [*FAULT_ARGV, "--total-timesteps", str(4 * 32 * 100)]
+        assert cli([*tiny, "--run-dir", str(disk / "run")]).returncode == 0
+        with read_only(disk):
+            for argv, words in (
+                ([*tiny, "--run-dir", str(disk / "new")], f"error: --run-dir {disk / 'new'}: "),
+                ([*tiny, "--sweep-set", "lr=1e-3,1e-4", "--run-dir", str(disk / "new")], f"error: --run-dir {disk / 'new'}: "),
+                (["--resume", str(disk / "run")], f"error: --resume {disk / 'run'}: the directory is not writable"),
+            ):
+                done = cli(argv)
+                assert done.returncode == 2 and done.stderr.startswith(words), done.stderr
+                assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+                assert "read-only file system" in done.stderr or "permission denied" in done.stderr or \
+                    "not writable" in done.stderr
+            assert sorted(os.listdir(disk)) == ["run"]
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(disk)], check=True)
+
+    run_dir = tmp_path / "vanishing"
+    gone = start_then_fault([*FAULT_ARGV, "--run-dir", str(run_dir)], lambda: shutil.rmtree(run_dir), "update 100/1000")
+    assert gone.returncode == 1 and gone.stderr == (
+        f"error: cannot write {run_dir}/metrics.csv: no such file or directory. {run_dir} is gone (moved or "
+        "deleted?): nothing to resume; start the run again\n"), gone.stderr
+
+
+def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, capsys):
+    """The run's data come first: a figure that fails to write is one warning line; the run ends
+    normally with its params, summary, metrics and checkpoint."""
+    def no_space(fig, path, dpi):
+        with P.writing(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(P, "save_figure", no_space)
+    run_dir = tmp_path / "run"
+    P.main([*FAULT_ARGV, "--total-timesteps", str(4 * 32 * 100), "--run-dir", str(run_dir), "--quiet"])
+    err = capsys.readouterr().err
+    assert err == f"warning: cannot write {run_dir}/curve.png: no space left on device (the plot is skipped; the data " \
+        "are saved)\n"
+    assert sorted(os.listdir(run_dir)) == ["checkpoint.msgpack", "config.json", "metrics.csv", "params.msgpack",
+                                           "summary.json"]
