@@ -2465,6 +2465,15 @@ def test_a_full_disk_or_a_kill_inside_a_write_loses_nothing(tmp_path):
     for name, data in expected.items():
         assert (run_dir / name).read_bytes() == data, name
 
+    # The disk filled as the last outputs were written: --resume of the complete run writes them.
+    (run_dir / "params.msgpack").unlink()
+    (run_dir / "summary.json").unlink()
+    resumed = cli(["--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (run_dir / "params.msgpack").read_bytes() == expected["params.msgpack"]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "complete"
+    assert "that run is complete (1000/1000 updates)" in cli(["--resume", str(run_dir)]).stderr
+
 
 @contextlib.contextmanager
 def read_only(path):
