@@ -2228,6 +2228,25 @@ def normalized_scores(settings: list[SweepSetting]) -> np.ndarray:
     return np.nanmean(scores, axis=0)
 
 
+def normalized_score_ci(settings: list[SweepSetting]) -> np.ndarray:
+    """Per point: the half-width of the 95 % confidence interval of normalized_scores, from each
+    setting's spread over seeds (the settings independent; Student's t with the fewest seeds' dof)."""
+    from scipy import stats
+
+    variance, seeds = 0.0, []
+    for setting in settings:
+        final = setting.final()
+        n = np.sum(np.isfinite(final), axis=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            scale = np.nanmax(np.nanmean(final, axis=1)) - setting.random_return
+            variance = variance + np.nanvar(final, axis=1, ddof=1) / np.maximum(n, 1) / scale ** 2
+        seeds.append(n)
+    fewest = np.min(seeds, axis=0)
+    half = stats.t.ppf(0.975, np.maximum(fewest - 1, 1)) * np.sqrt(variance) / len(settings)
+    return np.where(fewest > 1, half, 0.0)
+
+
 def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[list[str]], str]:
     """summary.csv rows and the printed table: mean +- std over seeds per point, best first."""
     rows = [["static", "env", "point", "label"] + sweep.swept +
@@ -2261,43 +2280,114 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[li
     return rows, "\n".join(text)
 
 
+def mean_and_ci(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean over the last axis (seeds; NaN, a diverged seed, left out) and the half-width of its
+    95 % confidence interval (Student's t; 0 with one seed)."""
+    from scipy import stats
+
+    n = np.sum(np.isfinite(values), axis=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows, one-seed rows: NaN, then 0
+        mean, std = np.nanmean(values, axis=-1), np.nanstd(values, axis=-1, ddof=1)
+    half = stats.t.ppf(0.975, np.maximum(n - 1, 1)) * std / np.sqrt(np.maximum(n, 1))
+    return mean, np.where(n > 1, half, 0.0)
+
+
+def value_axis(values: np.ndarray):
+    """(place, log) for a swept parameter's values: a log axis where its positive finite values span
+    10x or more, 0 ("off") placed at the axis' left edge; inf at the right edge. place(x) -> positions."""
+    finite = values[np.isfinite(values) & (values > 0)]
+    log = bool(finite.size > 1 and finite.max() / finite.min() >= 10 and not np.any(values < 0))
+    low, high = (finite.min(), finite.max()) if finite.size else (0.0, 1.0)
+
+    def place(x):
+        x = np.where(np.asarray(x, float) == np.inf, high * 4 if log else high + 0.25 * ((high - low) or 1), x)
+        return np.where(x == 0, low / 4, x) if log else x
+
+    return place, log
+
+
+def plot_final_vs(ax, name: str, sweep: Sweep, setting: SweepSetting) -> None:
+    """Final return against one swept parameter: a line per combination of the other swept
+    parameters, mean over seeds with its 95 % CI; the base value marked."""
+    import matplotlib.pyplot as plt
+
+    hparams = sweep.hparams(setting.config)
+    values = np.array([float(getattr(h, name)) for h in hparams])
+    place, log = value_axis(values)
+    mean, half = mean_and_ci(setting.final())
+    others = [other for other in sweep.swept if other != name]
+    combinations = {}  # the other parameters' values -> the points with them
+    for p, h in enumerate(hparams):
+        combinations.setdefault(tuple(format_value(getattr(h, other)) for other in others), []).append(p)
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(combinations)))
+    for color, (combination, points) in zip(colors, combinations.items()):
+        points = sorted(points, key=lambda p: values[p])
+        label = ", ".join(f"{other}={v}" for other, v in zip(others, combination)) or "all points"
+        ax.plot(place(values[points]), mean[points], "o-", color=color, lw=1.3, ms=4, label=label)
+        ax.fill_between(place(values[points]), (mean - half)[points], (mean + half)[points], color=color, alpha=0.15)
+    base = float(getattr(setting.config.hparams, name))
+    ax.axvline(place(base), color="gray", ls=":", lw=1, label=f"base ({format_value(base)})")
+    if log:
+        ax.set_xscale("log")
+        ax.minorticks_off()
+    distinct = sorted(set(values.tolist()))
+    ax.set_xticks(place(distinct), ["off" if v == 0 and log else format_value(v) for v in distinct], fontsize=7)
+    ax.set(xlabel=name + (" (log axis)" if log else ""), ylabel="final return (mean, 95 % CI over seeds)")
+    ax.grid(alpha=0.3)
+
+
 def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None:
-    """curves.png (one curve per point, seeds shaded min-max; one panel per static setting) and
-    final_vs_<param>.png for every swept parameter."""
+    """curves.png (a curve per point, one panel per static setting, one legend beside them; with
+    many points only the best few shaded min-max over seeds, the best drawn on top),
+    final_vs_<param>.png per swept parameter, and normalized.png when the spec asks for the score."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(settings)
-    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.2), squeeze=False)
-    colors = plt.cm.viridis(np.linspace(0, 0.95, len(sweep.points)))
+    n, points = len(settings), len(sweep.points)
+    colors = plt.cm.viridis(np.linspace(0, 0.95, points))
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.2), squeeze=False)
     for ax, (i, setting) in zip(axes[0], enumerate(settings)):
         steps = setting.result.metrics["env_steps"][0]
         returns = setting.per_point("episode_return")  # [points, seeds, updates]
-        for p in range(len(sweep.points)):
-            plot_seeds(ax, steps, returns[p], sweep.labels[p], colors[p])
+        ranking = np.argsort(-np.nan_to_num(mean_and_ci(setting.final())[0], nan=-np.inf), kind="stable")
+        for rank, p in reversed(list(enumerate(ranking))):  # the best last: on top
+            plot_seeds(ax, steps, returns[p], sweep.labels[p], colors[p], band=points <= 4 or rank < 3,
+                       lw=2.2 if rank == 0 else 1.1, alpha=1.0 if rank < 3 else 0.6, zorder=3 if rank == 0 else 2)
         ax.set(xlabel="environment steps (per agent)", ylabel="episode return (smoothed)",
                title=setting_name(i, setting.config))
         ax.grid(alpha=0.3)
-        if len(sweep.points) <= 12:
-            ax.legend(fontsize=7, loc="lower right")
+    handles = [matplotlib.lines.Line2D([], [], color=colors[p], lw=1.5, label=sweep.labels[p]) for p in range(points)]
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7,
+               title="point (bold: best; shaded: min-max of the best 3)" if points > 4 else "point (shaded: min-max)",
+               title_fontsize=7)
     fig.tight_layout()
     save_figure(fig, os.path.join(run_dir, "curves.png"), dpi=110)
 
     for name in sweep.swept:
         fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.8), squeeze=False)
         for ax, (i, setting) in zip(axes[0], enumerate(settings)):
-            values = np.array([float(getattr(h, name)) for h in sweep.hparams(setting.config)])
-            final = setting.final()
-            ax.errorbar(values, np.nanmean(final, 1), yerr=np.nanstd(final, 1), fmt="o", capsize=3, alpha=0.8)
-            finite = values[np.isfinite(values)]
-            if finite.size and finite.min() > 0 and finite.max() / finite.min() >= 10:
-                ax.set_xscale("log")
-            ax.set(xlabel=name, ylabel="final return (mean ± std over seeds)", title=setting_name(i, setting.config))
-            ax.grid(alpha=0.3)
+            plot_final_vs(ax, name, sweep, setting)
+            ax.set_title(setting_name(i, setting.config))
+        axes[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         save_figure(fig, os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
+
+    if sweep.normalized_score:
+        scores, half = normalized_scores(settings), normalized_score_ci(settings)
+        order = np.argsort(-np.nan_to_num(scores, nan=-np.inf), kind="stable")  # as the printed table ranks them
+        fig, ax = plt.subplots(figsize=(6.5, 0.35 * points + 1.2))
+        rows = np.arange(points)[::-1]  # the best at the top
+        ax.barh(rows, scores[order], xerr=half[order], color=colors[order], capsize=3)
+        ax.set_yticks(rows, [sweep.labels[p] for p in order], fontsize=7)
+        ax.axvline(0, color="gray", lw=0.8)
+        ax.set(xlabel=f"normalised score (random 0, best point 1), mean over {n} setting(s), 95 % CI",
+               title=sweep.name)
+        ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        save_figure(fig, os.path.join(run_dir, "normalized.png"), dpi=110)
 
 
 def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> str:
@@ -2501,7 +2591,7 @@ def save_figure(fig, path: str, dpi: int) -> None:
     import matplotlib.pyplot as plt
 
     image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=dpi)
+    fig.savefig(image, format="png", dpi=dpi, bbox_inches="tight")  # with legends beside the axes
     plt.close(fig)
     write_atomically(path, image.getvalue())
 
@@ -2515,10 +2605,10 @@ def plot(function, *args) -> None:
         print(f"warning: {error} (the plot is skipped; the data are saved)", file=sys.stderr)
 
 
-def plot_seeds(ax, steps, returns, label: str, color=None) -> None:
+def plot_seeds(ax, steps, returns, label: str, color=None, band: bool = True, **line) -> None:
     """One curve from returns [seeds, updates]: each seed smoothed by a moving average over ~2 % of
     the updates (NaN-aware: updates where no episode ended are left out), then the mean over seeds,
-    shaded from the lowest to the highest seed."""
+    shaded (band) from the lowest to the highest seed. `line`: matplotlib's options for the curve."""
     window = max(1, returns.shape[1] // 50)
     kernel = np.ones(window)
     finite = np.isfinite(returns)
@@ -2530,10 +2620,10 @@ def plot_seeds(ax, steps, returns, label: str, color=None) -> None:
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        ax.plot(steps[seen], np.nanmean(smoothed[:, seen], 0), color=color, lw=1.3, label=label)
-        if returns.shape[0] > 1:
+        ax.plot(steps[seen], np.nanmean(smoothed[:, seen], 0), color=color, label=label, **{"lw": 1.3, **line})
+        if band and returns.shape[0] > 1:
             ax.fill_between(steps[seen], np.nanmin(smoothed[:, seen], 0), np.nanmax(smoothed[:, seen], 0), color=color,
-                            alpha=0.15)
+                            alpha=0.15, zorder=line.get("zorder", 1) - 0.5)
 
 
 def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:

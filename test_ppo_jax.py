@@ -1923,8 +1923,8 @@ kl_target = [0.01]
     out = capsys.readouterr().out
     assert "normalised score" in out and "agents" in out and "ETA" in out
     assert sorted(os.listdir(run_dir)) == ["curves.png", "final_vs_clip_eps.png", "final_vs_kl_coef.png",
-                                           "final_vs_kl_target.png", "final_vs_lr.png", "results.csv",
-                                           "summary.csv", "sweep.toml"]
+                                           "final_vs_kl_target.png", "final_vs_lr.png", "normalized.png",
+                                           "results.csv", "summary.csv", "sweep.toml"]
     rows = (run_dir / "results.csv").read_text().splitlines()
     assert len(rows) == 1 + 3 * 2 and "final_return" in rows[0] and "auc" in rows[0]
     summary = (run_dir / "summary.csv").read_text().splitlines()
@@ -2199,6 +2199,103 @@ lr = [3e-4, 3e-3, 1e30]
     scores = out.split("normalised score")[1].splitlines()[1:4]
     assert scores[-1].split()[0] == "nan" and all(float(line.split()[0]) <= 1 for line in scores[:2])
     assert (run_dir / "curves.png").exists() and (run_dir / "final_vs_lr.png").exists()
+
+
+def synthetic_setting(config, finals, random_return=None) -> P.SweepSetting:
+    """A finished static setting whose every agent's curve is flat at its final return: finals [points, seeds]."""
+    finals = np.asarray(finals, np.float32)
+    returns = np.repeat(finals.reshape(-1, 1), 20, axis=1)
+    metrics = {"episode_return": returns, "episodes": np.ones_like(returns),
+               "env_steps": np.tile(np.arange(1, 21, dtype=np.float32) * 512, (returns.shape[0], 1))}
+    metrics |= {name: np.zeros_like(returns) for name in P.GUARDED_METRICS}
+    return P.SweepSetting(dataclasses.replace(config, num_seeds=finals.shape[1]), types.SimpleNamespace(metrics=metrics),
+                          random_return)
+
+
+def drawn_figures(monkeypatch, sweep, settings, tmp_path) -> dict:
+    """plot_sweep's figures by file name, as drawn (read back from matplotlib, not from pixels)."""
+    figures = {}
+    monkeypatch.setattr(P, "save_figure", lambda fig, path, dpi: figures.setdefault(os.path.basename(path), fig))
+    P.plot_sweep(str(tmp_path), sweep, settings)
+    return figures
+
+
+def data_lines(ax):  # the plotted lines, without the base value's marker
+    return [line for line in ax.get_lines() if not line.get_label().startswith("base")]
+
+
+def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(tmp_path, monkeypatch):
+    """final_vs_<param>: a line per combination of the other swept parameters, at the mean over seeds
+    with a 95 % Student-t band; a log axis where values span 10x or more (0 at its left edge, "off");
+    the base value marked. curves.png: a curve per point, the best on top, only the best 3 shaded
+    when there are many, one legend beside the panels. normalized.png: a bar per point, ranked as
+    the printed table, with the CI of the score."""
+    import matplotlib.container
+    from scipy import stats
+
+    lrs, clips = [1e-4, 1e-3, 1e-2], [0.1, 0.3]
+    sweep = resolve({"base": SWEEP_BASE, "grid": {"lr": lrs, "clip_eps": clips}})
+    sweep.normalized_score = True
+    rng = np.random.default_rng(0)
+    finals = [rng.normal(100 * (p + 1), 10, size=3) for p in range(len(sweep.points))]  # [6 points, 3 seeds]
+    settings = [synthetic_setting(sweep.configs[0], finals, random_return=0.0),
+                synthetic_setting(sweep.configs[0], np.asarray(finals)[:, :2] * 2, random_return=50.0)]
+    figures = drawn_figures(monkeypatch, sweep, settings, tmp_path)
+    assert sorted(figures) == ["curves.png", "final_vs_clip_eps.png", "final_vs_lr.png", "normalized.png"]
+
+    ax = figures["final_vs_lr.png"].axes[0]
+    lines = data_lines(ax)
+    assert ax.get_xscale() == "log" and sorted(line.get_label() for line in lines) == ["clip_eps=0.1", "clip_eps=0.3"]
+    for line, clip in zip(lines, clips):
+        points = [p for p, point in enumerate(sweep.points) if point["clip_eps"] == clip]
+        np.testing.assert_allclose(line.get_xdata(), lrs)
+        np.testing.assert_allclose(line.get_ydata(), [np.mean(finals[p]) for p in points], rtol=1e-5)
+    band = ax.collections[0].get_paths()[0].vertices  # the first line's 95 % CI, from scipy's t
+    half = stats.t.ppf(0.975, 2) * np.std(finals[0], ddof=1) / np.sqrt(3)
+    at_first = band[np.isclose(band[:, 0], lrs[0]), 1]
+    np.testing.assert_allclose([at_first.min(), at_first.max()], np.mean(finals[0]) + np.array([-half, half]), rtol=1e-4)
+    assert [line.get_xdata() for line in ax.get_lines() if line.get_label().startswith("base")][0][0] == 2.5e-4
+    ax = figures["final_vs_clip_eps.png"].axes[1]
+    assert ax.get_xscale() == "linear" and len(data_lines(ax)) == 3
+
+    panels = figures["curves.png"].axes
+    assert len(panels) == 2 and all(len(ax.get_lines()) == 6 for ax in panels)
+    best = max(panels[0].get_lines(), key=lambda line: line.get_zorder())
+    assert best.get_label() == sweep.labels[5] and len(panels[0].collections) == 3  # bands of the best 3 only
+    assert len(figures["curves.png"].legends) == 1 and all(ax.get_legend() is None for ax in panels)
+
+    ax = figures["normalized.png"].axes[0]
+    scores = P.normalized_scores(settings)
+    top_down = [label.get_text() for label in sorted(ax.get_yticklabels(), key=lambda t: -t.get_position()[1])]
+    assert top_down == [sweep.labels[p] for p in np.argsort(-scores)]  # as the printed table ranks them
+    bars = sorted(ax.patches, key=lambda bar: -bar.get_y())
+    np.testing.assert_allclose([bar.get_width() for bar in bars], np.sort(scores)[::-1], rtol=1e-5)
+    variance = 0.0  # the score's CI by hand: the settings' seed variances, each scaled as its score
+    for setting in settings:
+        final = setting.final()
+        variance += np.var(final, axis=1, ddof=1) / final.shape[1] / (final.mean(1).max() - setting.random_return) ** 2
+    half = stats.t.ppf(0.975, 1) * np.sqrt(variance) / 2  # t with the fewest seeds' dof (2 - 1), mean of 2
+    errorbars = next(c for c in ax.containers if isinstance(c, matplotlib.container.ErrorbarContainer))
+    ((low, _), (high, _)), *_ = [segment for segment in errorbars.lines[2][0].get_segments()
+                                 if np.isclose(segment[0][1], bars[0].get_y() + bars[0].get_height() / 2)]
+    np.testing.assert_allclose([low, high], scores.max() + np.array([-1, 1]) * half[np.argmax(scores)], rtol=1e-4)
+
+    # One swept parameter over a range with 0 in it: one line, a log axis with "off" at its left edge.
+    sweep = resolve({"base": SWEEP_BASE, "grid": {"kl_coef": [0.0, 0.3, 1.0, 3.0, 10.0]}})
+    finals = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
+    figures = drawn_figures(monkeypatch, sweep, [synthetic_setting(sweep.configs[0], finals)], tmp_path)
+    assert sorted(figures) == ["curves.png", "final_vs_kl_coef.png"]
+    ax = figures["final_vs_kl_coef.png"].axes[0]
+    (line,) = data_lines(ax)
+    x = line.get_xdata()
+    assert ax.get_xscale() == "log" and 0 < x[0] < 0.3 and list(x[1:]) == [0.3, 1.0, 3.0, 10.0]
+    np.testing.assert_allclose(line.get_ydata(), [1.5, 3.5, 5.5, 7.5, 9.5])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["off", "0.3", "1", "3", "10"]
+    assert [len(ax.collections) for ax in figures["curves.png"].axes] == [3]  # 5 points: the best 3 shaded
+    sweep = resolve({"base": SWEEP_BASE, "grid": {"lr": [1e-4, 1e-3]}})
+    figures = drawn_figures(monkeypatch, sweep, [synthetic_setting(sweep.configs[0], [[1, 2], [3, 4]])], tmp_path)
+    assert [len(ax.collections) for ax in figures["curves.png"].axes] == [2]  # few points: every one shaded
+    assert [line.get_label() for line in data_lines(figures["final_vs_lr.png"].axes[0])] == ["all points"]
 
 
 def test_normalized_score_is_0_for_the_random_policy_and_1_for_the_best_point():
