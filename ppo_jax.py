@@ -2324,6 +2324,9 @@ def plot_final_vs(ax, name: str, sweep: Sweep, setting: SweepSetting) -> None:
     for color, (combination, points) in zip(colors, combinations.items()):
         points = sorted(points, key=lambda p: values[p])
         label = ", ".join(f"{other}={v}" for other, v in zip(others, combination)) or "all points"
+        if len(points) == 1:  # a point alone: its CI as an error bar
+            ax.errorbar(place(values[points]), mean[points], half[points], fmt="o", color=color, ms=4, label=label)
+            continue
         ax.plot(place(values[points]), mean[points], "o-", color=color, lw=1.3, ms=4, label=label)
         ax.fill_between(place(values[points]), (mean - half)[points], (mean + half)[points], color=color, alpha=0.15)
     base = float(getattr(setting.config.hparams, name))

@@ -2292,10 +2292,16 @@ def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(
     np.testing.assert_allclose(line.get_ydata(), [1.5, 3.5, 5.5, 7.5, 9.5])
     assert [t.get_text() for t in ax.get_xticklabels()] == ["off", "0.3", "1", "3", "10"]
     assert [len(ax.collections) for ax in figures["curves.png"].axes] == [3]  # 5 points: the best 3 shaded
-    sweep = resolve({"base": SWEEP_BASE, "grid": {"lr": [1e-4, 1e-3]}})
-    figures = drawn_figures(monkeypatch, sweep, [synthetic_setting(sweep.configs[0], [[1, 2], [3, 4]])], tmp_path)
-    assert [len(ax.collections) for ax in figures["curves.png"].axes] == [2]  # few points: every one shaded
-    assert [line.get_label() for line in data_lines(figures["final_vs_lr.png"].axes[0])] == ["all points"]
+    sweep = resolve({"base": SWEEP_BASE, "grid": [{"lr": [1e-4, 1e-3]}, {"lr": [1e-3], "clip_eps": [0.0]}]})
+    finals = [[1, 2], [3, 4], [5, 8]]
+    figures = drawn_figures(monkeypatch, sweep, [synthetic_setting(sweep.configs[0], finals)], tmp_path)
+    assert [len(ax.collections) for ax in figures["curves.png"].axes] == [3]  # few points: every one shaded
+    ax = figures["final_vs_lr.png"].axes[0]
+    assert ax.get_legend_handles_labels()[1] == ["clip_eps=0.2", "base (0.00025)", "clip_eps=0"]
+    (lone,) = [c for c in ax.containers if isinstance(c, matplotlib.container.ErrorbarContainer)]  # a point alone
+    ((_, low), (_, high)), = lone.lines[2][0].get_segments()
+    np.testing.assert_allclose([low, high], 6.5 + np.array([-1, 1]) * stats.t.ppf(0.975, 1) * np.std([5, 8], ddof=1)
+                               / np.sqrt(2), rtol=1e-5)
 
 
 def test_normalized_score_is_0_for_the_random_policy_and_1_for_the_best_point():
