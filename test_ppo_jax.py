@@ -1520,6 +1520,17 @@ def test_learns_pendulum():
     assert np.all(finals >= -400), finals
 
 
+@pytest.mark.parametrize("env, published, floor", [("MountainCar-v0", -118, -125), ("MountainCarContinuous-v0", 92, 90)])
+def test_learns_the_mountain_cars_at_their_own_defaults(tmp_path, env, published, floor):
+    """The tuned defaults (sweeps/tune_<env>.toml), at the published budget, 2 seeds: the
+    deterministic policy's mean return near gymnax-blines' published PPO return (MountainCar-v0
+    -118, MountainCarContinuous-v0 92), where the family defaults never reach the flag."""
+    P.main(["--env", env, "--num-seeds", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--table-rows", "0"])
+    returns = P.main(["--eval", str(tmp_path / "run"), "--episodes", "50", "--deterministic"]).mean(axis=1)
+    print(f"{env} deterministic eval per seed: {returns} (published {published})")
+    assert np.mean(returns) >= floor and np.all(returns >= floor - 15), returns
+
+
 def test_learns_cartpole_with_ppo_penalty_adaptive_kl():
     """PPO-Penalty alone (no clipping), adaptive beta with d_targ 0.01. At the classic lr 2.5e-4 the
     KL per update stays far below d_targ and beta decays to 0, so the penalty never acts; at 2.5e-3
