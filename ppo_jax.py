@@ -2241,11 +2241,13 @@ def append_results_csv(path: str, sweep: Sweep, i: int, setting: SweepSetting) -
 
 def normalized_scores(settings: list[SweepSetting]) -> np.ndarray:
     """Per point, averaged over static settings: (final - random) / (best point - random)."""
-    scores = []
-    for setting in settings:
-        final = np.nanmean(setting.final(), axis=1)
-        scores.append((final - setting.random_return) / (np.nanmax(final) - setting.random_return))
+    scores = [(np.nanmean(setting.final(), axis=1) - setting.random_return) / score_unit(setting) for setting in settings]
     return np.nanmean(scores, axis=0)
+
+
+def score_unit(setting: SweepSetting) -> float:
+    """The normalised score's unit in a setting: its best point's mean final return above random."""
+    return np.nanmax(np.nanmean(setting.final(), axis=1)) - setting.random_return
 
 
 def normalized_score_ci(settings: list[SweepSetting]) -> np.ndarray:
@@ -2258,9 +2260,8 @@ def normalized_score_ci(settings: list[SweepSetting]) -> np.ndarray:
         final = setting.final()
         n = np.sum(np.isfinite(final), axis=1)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            scale = np.nanmax(np.nanmean(final, axis=1)) - setting.random_return
-            variance = variance + np.nanvar(final, axis=1, ddof=1) / np.maximum(n, 1) / scale ** 2
+            warnings.simplefilter("ignore", RuntimeWarning)  # one seed: no variance (NaN)
+            variance = variance + np.nanvar(final, axis=1, ddof=1) / np.maximum(n, 1) / score_unit(setting) ** 2
         seeds.append(n)
     fewest = np.min(seeds, axis=0)
     half = stats.t.ppf(0.975, np.maximum(fewest - 1, 1)) * np.sqrt(variance) / len(settings)
