@@ -2253,8 +2253,6 @@ def score_unit(setting: SweepSetting) -> float:
 def normalized_score_ci(settings: list[SweepSetting]) -> np.ndarray:
     """Per point: the half-width of the 95 % confidence interval of normalized_scores, from each
     setting's spread over seeds (the settings independent; Student's t with the fewest seeds' dof)."""
-    from scipy import stats
-
     variance, seeds = 0.0, []
     for setting in settings:
         final = setting.final()
@@ -2263,9 +2261,7 @@ def normalized_score_ci(settings: list[SweepSetting]) -> np.ndarray:
             warnings.simplefilter("ignore", RuntimeWarning)  # one seed: no variance (NaN)
             variance = variance + np.nanvar(final, axis=1, ddof=1) / np.maximum(n, 1) / score_unit(setting) ** 2
         seeds.append(n)
-    fewest = np.min(seeds, axis=0)
-    half = stats.t.ppf(0.975, np.maximum(fewest - 1, 1)) * np.sqrt(variance) / len(settings)
-    return np.where(fewest > 1, half, 0.0)
+    return t_interval(np.sqrt(variance) / len(settings), np.min(seeds, axis=0))
 
 
 def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[list[str]], str]:
@@ -2304,14 +2300,18 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[li
 def mean_and_ci(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Mean over the last axis (seeds; NaN, a diverged seed, left out) and the half-width of its
     95 % confidence interval (Student's t; 0 with one seed)."""
-    from scipy import stats
-
     n = np.sum(np.isfinite(values), axis=-1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows, one-seed rows: NaN, then 0
         mean, std = np.nanmean(values, axis=-1), np.nanstd(values, axis=-1, ddof=1)
-    half = stats.t.ppf(0.975, np.maximum(n - 1, 1)) * std / np.sqrt(np.maximum(n, 1))
-    return mean, np.where(n > 1, half, 0.0)
+    return mean, t_interval(std / np.sqrt(np.maximum(n, 1)), n)
+
+
+def t_interval(standard_error, n):
+    """The half-width of a 95 % Student-t confidence interval from `n` samples (0 where n < 2)."""
+    from scipy import stats
+
+    return np.where(n > 1, stats.t.ppf(0.975, np.maximum(n - 1, 1)) * standard_error, 0.0)
 
 
 def value_axis(values: np.ndarray):
