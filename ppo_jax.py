@@ -2264,6 +2264,11 @@ def normalized_score_ci(settings: list[SweepSetting]) -> np.ndarray:
     return t_interval(np.sqrt(variance) / len(settings), np.min(seeds, axis=0))
 
 
+def best_first(values: np.ndarray) -> np.ndarray:
+    """The points' indices, highest value first, NaN (diverged) last, ties in point order."""
+    return np.argsort(-np.nan_to_num(values, nan=-np.inf), kind="stable")
+
+
 def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[list[str]], str]:
     """summary.csv rows and the printed table: mean +- std over seeds per point, best first."""
     rows = [["static", "env", "point", "label"] + sweep.swept +
@@ -2273,7 +2278,7 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[li
         final, auc = setting.final(), setting.auc()
         final_mean, final_std = np.nanmean(final, 1), np.nanstd(final, 1)
         auc_mean, auc_std = np.nanmean(auc, 1), np.nanstd(auc, 1)
-        order = np.argsort(-np.nan_to_num(final_mean, nan=-np.inf), kind="stable")
+        order = best_first(final_mean)
         result = setting.result
         text.append(f"\n{setting_name(i, setting.config)}: {len(sweep.points)} points x {setting.config.num_seeds} "
                     f"seeds, compile {result.lower_seconds + result.compile_seconds:.1f} s, run "
@@ -2292,7 +2297,7 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[li
     if sweep.normalized_score and settings:
         scores = normalized_scores(settings)
         text.append(f"\nnormalised score (random policy = 0, best point = 1), mean over {len(settings)} setting(s):")
-        for p in np.argsort(-np.nan_to_num(scores, nan=-np.inf), kind="stable"):
+        for p in best_first(scores):
             text.append(f"  {scores[p]:6.3f}  {sweep.labels[p]}")
     return rows, "\n".join(text)
 
@@ -2376,7 +2381,7 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
     for ax, (i, setting) in zip(axes[0], enumerate(settings)):
         steps = setting.result.metrics["env_steps"][0]
         returns = setting.per_point("episode_return")  # [points, seeds, updates]
-        ranking = np.argsort(-np.nan_to_num(mean_and_ci(setting.final())[0], nan=-np.inf), kind="stable")
+        ranking = best_first(np.nanmean(setting.final(), axis=1))
         for rank, p in reversed(list(enumerate(ranking))):  # the best last: on top
             plot_seeds(ax, steps, returns[p], sweep.labels[p], colors[p], band=points <= 4 or rank < 3,
                        lw=2.2 if rank == 0 else 1.1, alpha=1.0 if rank < 3 else 0.6, zorder=3 if rank == 0 else 2)
@@ -2401,7 +2406,7 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
 
     if sweep.normalized_score:
         scores, half = normalized_scores(settings), normalized_score_ci(settings)
-        order = np.argsort(-np.nan_to_num(scores, nan=-np.inf), kind="stable")  # as the printed table ranks them
+        order = best_first(scores)  # as the printed table ranks them
         fig, ax = plt.subplots(figsize=(6.5, 0.35 * points + 1.2))
         rows = np.arange(points)[::-1]  # the best at the top
         ax.barh(rows, scores[order], xerr=half[order], color=colors[order], capsize=3)
