@@ -408,7 +408,7 @@ MOUNTAIN_CAR_CONTINUOUS: dict[str, Any] = dict(  # the same, with twice the envs
     MOUNTAIN_CAR,
     total_timesteps=1_000_000,
     num_envs=32,
-    hparams=dict(lr=1e-3, gamma=0.99, ent_coef=0.0, max_grad_norm=1.0, norm_obs=True),
+    hparams=dict(MOUNTAIN_CAR["hparams"], gamma=0.99, max_grad_norm=1.0),
 )
 
 
