@@ -12,7 +12,8 @@ jax.jit; seeds and whole hyperparameter grids are vmapped inside that one progra
 
 Where to hack (the four rules a change must keep are in HParams' docstring):
     surrogate objective      policy_objective       the loss (Eq. 9)       ppo_loss
-    advantages, returns      estimate_advantages (GAE: compute_gae)        value loss: value_loss
+    advantages, returns      estimate_advantages (GAE: compute_gae; critic-free: group_advantages)
+    value loss               value_loss             KL leash               kl_estimate, process_rollout
     PPO-Penalty's beta       adaptive_kl_coef       learning-rate schedule learning_rate
     network, distributions   ActorCritic, Categorical, DiagGaussian
     rollout, reward shaping  step_envs, process_rollout
@@ -177,6 +178,14 @@ class HParams:
     clip_eps: float = 0.2
     """Clipping epsilon of the surrogate objective (PPO paper, Eq. 7); 0 or inf: no clipping (the
     paper's Table 1 baseline). Also the value-clip range of --clip-vloss."""
+    clip_eps_high: float = 0.0
+    """Decoupled clipping, "clip-higher" (DAPO, Yu et al. 2025, arXiv:2503.14476, Sec. 3.1): the
+    band's upper edge, clip(r, 1 - clip_eps, 1 + clip_eps_high), so that unlikely actions with a
+    positive advantage can grow further; 0: the same as --clip-eps."""
+    dual_clip: float = 0.0
+    """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729, Eq. 5): where the advantage is negative, the
+    objective is bounded below by dual_clip * A, so that a huge ratio cannot dominate the batch;
+    0: off, else > 1 (the paper's c = 3)."""
     kl_coef: float = 0.0
     """PPO-Penalty: initial beta of the loss term beta * KL[pi_old(.|s), pi(.|s)], exact closed-form
     KL (PPO paper, Sec. 4, Eq. 8); 0: no penalty."""
@@ -184,8 +193,10 @@ class HParams:
     """PPO-Penalty: d_targ for adapting beta after each update (halve if KL < d_targ/1.5, double if
     KL > 1.5 d_targ; PPO paper, Sec. 4); 0: beta stays fixed."""
     ref_kl_coef: float = 0.0
-    """KL leash (InstructGPT-style RLHF): subtract c * (log pi(a|s) - log pi_ref(a|s)) from each reward
-    before GAE, pi_ref frozen (the initial policy, or --ref-params); 0: off."""
+    """KL leash to a frozen pi_ref (the initial policy, or --ref-params): beta of the penalty beta * k,
+    k an estimate of KL[pi || pi_ref] (--ref-kl-estimator; default k1 = log pi(a|s) - log pi_ref(a|s)),
+    subtracted from each reward before GAE (InstructGPT, Eq. 2) or added to the loss (--ref-kl-in);
+    0: off."""
     target_kl: float = 0.0
     """Skip the update's remaining gradient steps once a minibatch's approx KL exceeds this; 0: never."""
     ent_coef: float = 0.01
@@ -247,6 +258,17 @@ class Config:
     """Passes over each batch (PPO paper's K epochs)."""
     num_minibatches: int = 4
     """Minibatches per epoch; must divide the batch."""
+    adv_estimator: Literal["gae", "grpo", "rloo", "dr_grpo"] = "gae"
+    """gae: GAE with a learned critic. The others are critic-free (no critic is built or trained) and
+    score whole episodes against the other episodes of their group (--group-size), every step of an
+    episode getting its episode's advantage: grpo (Shao et al. 2024, arXiv:2402.03300, Sec. 4.1)
+    (R - mean) / std; rloo (Ahmadian et al. 2024, arXiv:2402.14740) R - the mean of the others;
+    dr_grpo (Liu et al. 2025, arXiv:2503.20783) R - mean. R is the episode's undiscounted sum of
+    (processed) rewards. Needs an env whose episodes all last the same number of steps, which must
+    divide --num-steps (Pendulum-v1, Catch-bsuite, DeepSea-bsuite, ...: see FIXED_EPISODE_LENGTH)."""
+    group_size: int = 0
+    """Critic-free estimators: consecutive groups of this many envs, whose episodes in the same rollout
+    slot form a group (0: all --num-envs envs are one group)."""
     slices: int = 0
     """Compute each minibatch's gradient as the mean of the gradients of this many equal slices of
     it, and the next-value and KL passes over the whole batch in as many slices, each slice its own
@@ -277,6 +299,14 @@ class Config:
     """The frozen reference policy of --ref-kl-coef, from this params.msgpack (default: the initial policy)."""
     params_index: int = 0
     """Which seed of a multi-seed params.msgpack --init-params and --ref-params load."""
+    ref_kl_estimator: Literal["k1", "k2", "k3", "full"] = "k1"
+    """The KL leash's estimate of KL[pi || pi_ref] at each sampled action (Schulman 2020, "Approximating
+    KL divergence"), with log rho = log pi_ref(a|s) - log pi(a|s): k1 = -log rho, k2 = (log rho)^2 / 2,
+    k3 = rho - 1 - log rho; full: the exact KL over the action distribution. Which combinations with
+    --ref-kl-in give an unbiased gradient: README, "PPO's descendants"."""
+    ref_kl_in: Literal["reward", "loss"] = "reward"
+    """Where the leash acts: reward (a per-step penalty before the advantages, InstructGPT) or loss
+    (the term --ref-kl-coef * mean(k) of the loss, differentiated through pi, as GRPO places it)."""
     seed: int = 0
     """Base random seed; seed i of --num-seeds uses key i of split(PRNGKey(seed), num_seeds)."""
     num_seeds: int = 1
@@ -538,6 +568,7 @@ class ActorCritic(nn.Module):
     orthogonal_init: bool = True
     image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over the observation
     recurrent_size: int = 0  # > 0: a GRU of this many units after the torso
+    critic: bool = True  # False: no critic trunk or value head (the values are zeros)
     grad_chunk: int = 0  # each Dense layer's kernel_grad chunk (speed, CPU; 0: JAX's own gradient)
 
     @nn.compact
@@ -567,9 +598,12 @@ class ActorCritic(nn.Module):
         else:
             hiddens = jnp.zeros((*obs.shape[:-1], 0), jnp.float32)
         actor_features = trunk(obs, "trunk" if self.shared_trunk else "actor")
-        critic_features = actor_features if self.shared_trunk else trunk(obs, "critic")
         policy_out = dense(self.action_dim, 0.01, "policy_head")(actor_features)
-        values = dense(1, 1.0, "value_head")(critic_features)[..., 0]
+        if self.critic:
+            critic_features = actor_features if self.shared_trunk else trunk(obs, "critic")
+            values = dense(1, 1.0, "value_head")(critic_features)[..., 0]
+        else:
+            values = jnp.zeros(policy_out.shape[:-1], jnp.float32)
         if self.discrete:
             return hiddens, Categorical(policy_out), values
         log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
@@ -701,9 +735,12 @@ class Transition:  # every field time-major [T, N, ...]
     ref_kl: jax.Array  # exact KL[pi || pi_ref] at this state (0 with the leash off)
     episode_return: jax.Array  # raw return of the episode that ended here (where done)
     episode_length: jax.Array
+    ref_log_prob: jax.Array | None = None  # --ref-kl-in loss: log pi_ref(a|s) of the sampled action
+    ref_dist: Any = None  # --ref-kl-in loss with --ref-kl-estimator full: pi_ref(.|s)
 
 
-def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams):
+def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams,
+                    leash: Leash | None = None):
     """A lax.scan over num_steps of (policy forward, sample, vmapped env step), then the reward
     processing of the whole rollout at once -> (state, [T, N] Transition): step_envs, then
     process_rollout.
@@ -719,7 +756,7 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
     an unsharded run, and the statistics are updated from every device's rollout.
     """
     state, raw = step_envs(state, env, network, num_steps, hparams)
-    return process_rollout(state, raw, env, network, hparams)
+    return process_rollout(state, raw, env, network, hparams, leash)
 
 
 def step_envs(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams):
@@ -763,9 +800,11 @@ def step_envs(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: i
                          key=key), traj
 
 
-def process_rollout(state: TrainState, traj: Transition, env: VecEnv, network: ActorCritic, hparams: HParams):
+def process_rollout(state: TrainState, traj: Transition, env: VecEnv, network: ActorCritic, hparams: HParams,
+                    leash: Leash | None = None):
     """step_envs' raw rollout -> (state, the Transition the update trains on): observations
     normalised, log-probabilities, rewards processed; the statistics updated from the rollout."""
+    leash = leash or Leash()
     raw_obs = traj.obs
     log_prob = traj.dist.log_prob(traj.action)
 
@@ -775,17 +814,27 @@ def process_rollout(state: TrainState, traj: Transition, env: VecEnv, network: A
     scaled = jnp.where(hparams.scale_reward, traj.reward / jnp.sqrt(reward_stats.var + 1e-8), traj.reward)
     reward = jnp.clip(scaled, -hparams.clip_reward, hparams.clip_reward)
 
-    def leash():  # (log pi_ref(a|s), KL[pi || pi_ref], pi_ref's state after) at every step, in one pass
+    # The loss placement of the exact KL differentiates KL[pi || pi_ref]: it needs pi_ref(.|s) itself.
+    keep_ref_dist = leash.in_loss and leash.estimator == "full"
+
+    def on():  # (log pi_ref(a|s), KL[pi || pi_ref], pi_ref's state after, pi_ref or None) at every step, in one pass
         ref_obs = observe(state.reference.obs_stats, raw_obs, hparams)
         ref_hiddens, ref_dist, _ = network.apply(state.reference.params, ref_obs, traj.first, state.ref_hidden)
-        return ref_dist.log_prob(traj.action), traj.dist.kl(ref_dist), ref_hiddens[-1]
+        return (ref_dist.log_prob(traj.action), traj.dist.kl(ref_dist), ref_hiddens[-1],
+                ref_dist if keep_ref_dist else None)
 
-    off = lambda: (log_prob, jnp.zeros_like(log_prob), state.ref_hidden)  # noqa: E731  (log pi_ref := log pi)
-    ref_log_prob, ref_kl, ref_hidden = jax.lax.cond(hparams.ref_kl_coef > 0, leash, off)
+    def off():  # the leash is off: pi_ref := pi
+        return log_prob, jnp.zeros_like(log_prob), state.ref_hidden, traj.dist if keep_ref_dist else None
+
+    ref_log_prob, ref_kl, ref_hidden, ref_dist = jax.lax.cond(hparams.ref_kl_coef > 0, on, off)
+    if leash.in_loss:  # ppo_loss carries the leash; the rewards do not
+        penalty, traj = 0.0, traj.replace(ref_log_prob=ref_log_prob, ref_dist=ref_dist)
+    else:
+        penalty = hparams.ref_kl_coef * kl_estimate(leash.estimator, log_prob, ref_log_prob, ref_kl)
     traj = traj.replace(
         obs=observe(state.obs_stats, raw_obs, hparams),
         log_prob=log_prob,
-        reward=reward - hparams.ref_kl_coef * (log_prob - ref_log_prob),
+        reward=reward - penalty,
         final_obs=observe(state.obs_stats, traj.final_obs, hparams),
         ref_kl=ref_kl,
     )
@@ -820,12 +869,46 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lamb
     return advantages, advantages + values
 
 
+def group_advantages(rewards, estimator: str, group_size: int, episode_length: int):
+    """Critic-free advantages (--adv-estimator grpo | rloo | dr_grpo) from rewards [T, N] whose
+    episodes all last `episode_length` steps and begin at t = 0: each episode's return R (its
+    undiscounted sum of rewards) is compared with the returns of the other episodes of its group,
+    those of the same rollout slot in `group_size` consecutive envs, and every step of the episode
+    gets the episode's advantage:
+        grpo     (R_i - mean_j R_j) / std_j R_j   (sample std; 0 where the group's returns are all equal)
+        rloo     R_i - mean_{j != i} R_j
+        dr_grpo  R_i - mean_j R_j
+    Returns [T, N]."""
+    steps, envs = rewards.shape
+    slots = steps // episode_length
+    returns = rewards.reshape(slots, episode_length, envs // group_size, group_size).sum(axis=1)  # [K, N/G, G]
+    mean = returns.mean(axis=-1, keepdims=True)
+    if estimator == "grpo":
+        std = returns.std(axis=-1, ddof=1, keepdims=True)
+        tied = returns.max(axis=-1, keepdims=True) == returns.min(axis=-1, keepdims=True)
+        advantages = jnp.where(tied, 0.0, (returns - mean) / jnp.where(tied, 1.0, std))
+    elif estimator == "rloo":
+        advantages = (returns - mean) * group_size / (group_size - 1)  # = R_i - (sum_j R_j - R_i) / (G - 1)
+    else:
+        advantages = returns - mean
+    per_step = jnp.broadcast_to(advantages[:, None], (slots, episode_length, *advantages.shape[1:]))
+    return per_step.reshape(steps, envs)
+
+
 def estimate_advantages(params, traj: Transition, config: Config, env: VecEnv, network: ActorCritic,
                         hparams: HParams):
     """The update's advantages and value targets, both [T, N]: GAE from the critic's value of every
     step's true next state (one batched pass of one step each, continuing from the state after that
     step; where no episode ended, final_obs is simply the next observation). Truncation bootstraps
-    unless --no-bootstrap-truncation. Another advantage estimator replaces this function."""
+    unless --no-bootstrap-truncation. Critic-free (--adv-estimator): group_advantages, no targets."""
+    if config.adv_estimator != "gae":  # groups may span the devices an agent's envs are sharded over
+        rewards = gather_envs(traj.reward, env.shards)
+        advantages = group_advantages(rewards, config.adv_estimator, config.group_size or config.num_envs,
+                                      fixed_episode_length(config.env, config.env_params))
+        if env.shards > 1:
+            first = jax.lax.axis_index(ENV_AXIS) * env.num_envs
+            advantages = jax.lax.dynamic_slice_in_dim(advantages, first, env.num_envs, axis=1)
+        return advantages, jnp.zeros_like(advantages)
     steps = config.num_steps * env.num_envs  # this device's envs
 
     def next_value(part):  # (final observations, hidden states) of some steps -> their values
@@ -844,12 +927,40 @@ def estimate_advantages(params, traj: Transition, config: Config, env: VecEnv, n
 def policy_objective(ratio, advantages, hparams: HParams):
     """The per-sample surrogate objective, to be maximised, and where its clip acts -> (objective,
     clipped), both [B]. PPO paper, Eq. 7: min(r A, clip(r, 1 - eps, 1 + eps) A); clip_eps 0 (or
-    inf): the unclipped surrogate r A (Table 1's baseline). `clipped` marks the samples whose ratio
-    lies outside the band (the clip_frac metric). A new surrogate replaces this function alone."""
-    eps = hparams.clip_eps
-    objective = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - eps, 1.0 + eps) * advantages)
-    clipped = (jnp.abs(ratio - 1.0) > eps) & (eps > 0)
-    return jnp.where(eps > 0, objective, ratio * advantages), clipped
+    inf): the unclipped surrogate r A (Table 1's baseline). Its descendants: the band's upper edge
+    1 + clip_eps_high (DAPO's clip-higher), and where A < 0 the lower bound dual_clip * A (dual-clip
+    PPO). `clipped` marks the samples whose ratio lies outside the band, or whose dual clip binds
+    (the clip_frac metric). A new surrogate replaces this function alone."""
+    low, high = hparams.clip_eps, jnp.where(hparams.clip_eps_high > 0, hparams.clip_eps_high, hparams.clip_eps)
+    clipping = low > 0
+    objective = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - low, 1.0 + high) * advantages)
+    objective = jnp.where(clipping, objective, ratio * advantages)
+    clipped = clipping & ((ratio < 1.0 - low) | (ratio > 1.0 + high))
+    dual = (hparams.dual_clip > 0) & (advantages < 0) & (objective < hparams.dual_clip * advantages)
+    return jnp.where(dual, hparams.dual_clip * advantages, objective), clipped | dual
+
+
+def kl_estimate(estimator: str, log_prob, ref_log_prob, exact_kl):
+    """An estimate of KL[pi || pi_ref] at each sampled action a ~ pi (Schulman 2020, "Approximating
+    KL divergence"), log rho = log pi_ref(a) - log pi(a): k1 = -log rho (unbiased), k2 = (log rho)^2 / 2
+    (biased, low variance), k3 = rho - 1 - log rho (unbiased, low variance, >= 0); full: `exact_kl`,
+    the closed form over all actions. (--ref-kl-estimator)"""
+    log_rho = ref_log_prob - log_prob
+    return {"k1": lambda: -log_rho, "k2": lambda: 0.5 * log_rho**2, "k3": lambda: jnp.expm1(log_rho) - log_rho,
+            "full": lambda: exact_kl}[estimator]()
+
+
+@dataclasses.dataclass(frozen=True)
+class Leash:
+    """The KL leash's static choices: its estimator (--ref-kl-estimator) and whether it is a term of
+    the loss (--ref-kl-in loss) rather than a penalty on the rewards."""
+
+    estimator: str = "k1"
+    in_loss: bool = False
+
+    @classmethod
+    def of(cls, config: Config) -> Leash:
+        return cls(config.ref_kl_estimator, config.ref_kl_in == "loss")
 
 
 def value_loss(values, old_values, targets, clip_eps, clip_vloss):
@@ -860,20 +971,29 @@ def value_loss(values, old_values, targets, clip_eps, clip_vloss):
     return 0.5 * jnp.mean(jnp.where(clip_vloss & (clip_eps > 0), clipped, unclipped))
 
 
-def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_coef):
+def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_coef, leash: Leash = Leash()):
     """PPO loss on one minibatch (or a slice of it): clipped surrogate (Eq. 7), KL penalty (Eq. 8),
     value loss and entropy bonus (Eq. 9); negated for minimisation. Which terms act is data: their
     coefficients. Every term, and every diagnostic, is a mean over the samples."""
     _, dist, values = network.apply(params, batch.obs, batch.first, batch.hidden)
-    log_ratio = dist.log_prob(batch.action) - batch.log_prob
+    log_prob = dist.log_prob(batch.action)
+    log_ratio = log_prob - batch.log_prob
     ratio = jnp.exp(log_ratio)
     # The advantages were normalised by epoch_step, over the whole minibatch (rule 2: not here).
     objective, clipped = policy_objective(ratio, batch.advantages, hparams)
     policy_loss = -jnp.mean(objective)
     kl = jnp.mean(batch.dist.kl(dist))  # exact KL[pi_old || pi]
-    v_loss = value_loss(values, batch.value, batch.targets, hparams.clip_eps, hparams.clip_vloss)
     entropy = jnp.mean(dist.entropy())
-    total = policy_loss + kl_coef * kl + hparams.vf_coef * v_loss - hparams.ent_coef * entropy
+    if network.critic:
+        v_loss = value_loss(values, batch.value, batch.targets, hparams.clip_eps, hparams.clip_vloss)
+        total = policy_loss + kl_coef * kl + hparams.vf_coef * v_loss - hparams.ent_coef * entropy
+    else:  # critic-free (--adv-estimator): no value loss
+        v_loss = jnp.float32(jnp.nan)
+        total = policy_loss + kl_coef * kl - hparams.ent_coef * entropy
+    if leash.in_loss:  # --ref-kl-in loss: + beta * mean(k), k differentiated through pi (GRPO's placement)
+        exact = dist.kl(batch.ref_dist) if leash.estimator == "full" else None
+        total = total + hparams.ref_kl_coef * jnp.mean(kl_estimate(leash.estimator, log_prob, batch.ref_log_prob,
+                                                                   exact))
     diagnostics = {
         "policy_loss": policy_loss,
         "value_loss": v_loss,
@@ -903,12 +1023,15 @@ class Batch:  # flat [B, ...]; recurrent: time-major [T, N, ...], whole env sequ
     value: jax.Array
     advantages: jax.Array
     targets: jax.Array
+    ref_log_prob: jax.Array | None = None  # --ref-kl-in loss (see Transition)
+    ref_dist: Any = None
 
 
 def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hparams: HParams):
     """One PPO iteration: rollout -> GAE -> update_epochs x num_minibatches gradient steps."""
     start_hidden = state.hidden
-    state, traj = collect_rollout(state, env, network, config.num_steps, hparams)
+    leash = Leash.of(config)
+    state, traj = collect_rollout(state, env, network, config.num_steps, hparams, leash)
     advantages, targets = estimate_advantages(state.params, traj, config, env, network, hparams)
     parts = Parts.of(config, env)  # how the passes over the batch are split (speed and devices: Parts)
     recurrent = network.recurrent_size > 0
@@ -923,7 +1046,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     flat_params, unravel = ravel_pytree(state.params)
     lr = learning_rate(hparams, state.update, config.num_updates)
     step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, hparams=hparams, lr=lr,
-                                kl_coef=state.kl_coef, parts=parts)
+                                kl_coef=state.kl_coef, parts=parts, leash=leash)
     epoch = functools.partial(epoch_step, batch=batch, num_minibatches=config.num_minibatches, step_fn=step_fn,
                               norm_adv=hparams.norm_adv, shards=env.shards)
     (flat_params, opt_state, _), diagnostics = jax.lax.scan(
@@ -948,7 +1071,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
         "kl_coef": state.kl_coef,  # the beta this update used
         "ref_kl": jnp.where(hparams.ref_kl_coef > 0, sums["ref_kl"] / env.shards, jnp.nan),  # mean over devices
         "grad_steps": jnp.sum(grad_steps),
-        "explained_variance": explained_variance(batch.value, batch.targets),
+        "explained_variance": explained_variance(batch.value, batch.targets) if network.critic else jnp.float32(jnp.nan),
         "learning_rate": lr,
         "param_norm": jnp.sqrt(jnp.sum(flat_params**2)),  # after the update; non-finite: see the NaN guard
     }
@@ -970,6 +1093,8 @@ def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: b
         value=traj.value,
         advantages=advantages,
         targets=targets,
+        ref_log_prob=traj.ref_log_prob,
+        ref_dist=traj.ref_dist,
     )
     if shards > 1:
         hidden = gather_envs(batch.hidden, shards, axis=0)  # [N, H]: the env axis comes first
@@ -996,13 +1121,13 @@ def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn, 
     return jax.lax.scan(step_fn, carry, minibatches)
 
 
-def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_coef, parts: Parts):
+def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_coef, parts: Parts, leash=Leash()):
     """One gradient step on the flat parameter vector (`unravel` gives the network's params), unless
     --target-kl has stopped this update (a mask, not a branch, so the whole update stays one program).
     The gradient and diagnostics are the mean of the minibatch's parts (rule 2): with sharded envs
     `minibatch` is this device's part, and every device takes the same step."""
     flat_params, opt_state, stopped = carry
-    grad = jax.grad(lambda flat, part: ppo_loss(unravel(flat), network, part, hparams, kl_coef), has_aux=True)
+    grad = jax.grad(lambda flat, part: ppo_loss(unravel(flat), network, part, hparams, kl_coef, leash), has_aux=True)
     grads, diagnostics = parts.mean(lambda part: grad(flat_params, part), minibatch)
     stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
     diagnostics["grad_norm"] = jnp.sqrt(jnp.sum(grads**2))  # before clipping; non-finite: see the NaN guard
@@ -1081,7 +1206,7 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
     return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation,
                        config.shared_trunk, image_shape=env.obs_shape if cnn else None,
                        recurrent_size=config.recurrent_size if config.recurrent == "gru" else 0,
-                       grad_chunk=grad_chunk_rows())
+                       critic=config.adv_estimator == "gae", grad_chunk=grad_chunk_rows())
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
@@ -1193,6 +1318,8 @@ def read_policies(config: Config, env: VecEnv, network: ActorCritic, path: str, 
         raise ConfigError(f"{flag} {path}: not a params.msgpack written by ppo_jax") from None
     expected = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), sep="/")
     found = flax.traverse_util.flatten_dict(saved, sep="/") if isinstance(saved, dict) else {}
+    if not network.critic:  # a critic-free run starts from (or is leashed to) the policy of a run with a critic
+        found = {name: value for name, value in found.items() if not re.search(r"/(critic_\d+|value_head)/", name)}
     missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or extra:
         raise ConfigError(f"{flag} {path}: its parameters do not match this network (missing {missing[:3]}, "
@@ -1449,6 +1576,27 @@ def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
     return env, override_env_params(params, overrides)
 
 
+# Envs whose episodes all last the same number of steps, as the critic-free estimators need
+# (--adv-estimator): env id -> (env, env_params) -> that length. A test runs each to check it.
+FIXED_EPISODE_LENGTH = {
+    "Pendulum-v1": lambda env, p: p.max_steps_in_episode,  # never terminates: its time limit ends every episode
+    "Catch-bsuite": lambda env, p: min(env.rows - 1, p.max_steps_in_episode),  # the ball falls a row per step
+    "DeepSea-bsuite": lambda env, p: min(env.size, p.max_steps_in_episode),  # a row per step
+    "MemoryChain-bsuite": lambda env, p: min(p.memory_length + 1, p.max_steps_in_episode),
+    "UmbrellaChain-bsuite": lambda env, p: min(p.chain_length, p.max_steps_in_episode),
+    "SimpleBandit-bsuite": lambda env, p: 1,
+    "BernoulliBandit-misc": lambda env, p: p.max_steps_in_episode,
+    "GaussianBandit-misc": lambda env, p: p.max_steps_in_episode,
+}
+
+
+def fixed_episode_length(env_id: str, overrides: Sequence[str] = ()) -> int | None:
+    """The one length of every episode of this env (with these --env-params), or None if it varies."""
+    if env_id not in FIXED_EPISODE_LENGTH:
+        return None
+    return int(FIXED_EPISODE_LENGTH[env_id](*make_gymnax(env_id, overrides)))
+
+
 def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
     """Raise ConfigError for an unknown env id, a missing brax, or an unknown Brax backend."""
     if env_id.startswith(BRAX_PREFIX):
@@ -1502,12 +1650,18 @@ def validate_hparams(h: HParams, where: str = "") -> None:
     for name in ("gamma", "gae_lambda"):
         if not 0.0 <= getattr(h, name) <= 1.0:
             bad(f"{flag(name)} {getattr(h, name)}: must be in [0, 1]")
-    for name in ("clip_eps", "kl_coef", "kl_target", "ref_kl_coef", "target_kl", "ent_coef", "vf_coef", "adam_eps"):
+    for name in ("clip_eps", "clip_eps_high", "kl_coef", "kl_target", "ref_kl_coef", "target_kl", "ent_coef",
+                 "vf_coef", "adam_eps"):
         if not getattr(h, name) >= 0:
             bad(f"{flag(name)} {getattr(h, name)}: must be >= 0")
     for name in ("max_grad_norm", "clip_obs", "clip_reward"):
         if not getattr(h, name) > 0:
             bad(f"{flag(name)} {getattr(h, name)}: must be > 0 (inf turns clipping off)")
+    if h.clip_eps_high > 0 and h.clip_eps == 0:
+        bad(f"--clip-eps-high {h.clip_eps_high} moves the clip band's upper edge, but --clip-eps 0 turns clipping "
+            "off: give --clip-eps too, e.g. --clip-eps 0.2")
+    if not (h.dual_clip == 0 or h.dual_clip > 1):
+        bad(f"--dual-clip {h.dual_clip}: must be > 1 (the paper's 3), or 0 (off)")
     if h.kl_target > 0 and h.kl_coef == 0:
         bad(f"--kl-target {h.kl_target} adapts beta, but --kl-coef is 0 and would stay 0: "
             "give a starting beta, e.g. --kl-coef 1")
@@ -1562,6 +1716,7 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
     if config.slices > 1 and config.recurrent != "none":
         raise ConfigError(f"--slices {config.slices}: slices are for feedforward networks; with "
                           f"--recurrent {config.recurrent} use 0 or 1")
+    validate_estimator(config)
     if config.total_timesteps < config.batch_size:
         raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
                           f"({config.batch_size} = --num-envs x --num-steps)")
@@ -1575,6 +1730,33 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
         network = make_network(config, env)
         load_policy(config, env, network, config.init_params, "--init-params")
         load_policy(config, env, network, config.ref_params, "--ref-params")
+
+
+def validate_estimator(config: Config) -> None:
+    """The advantage estimator's and the KL leash's static choices (--adv-estimator, --group-size,
+    --ref-kl-estimator, --ref-kl-in), which a sweep spec may also set."""
+    for name, choices in (("adv_estimator", ("gae", "grpo", "rloo", "dr_grpo")),
+                          ("ref_kl_estimator", ("k1", "k2", "k3", "full")), ("ref_kl_in", ("reward", "loss"))):
+        if getattr(config, name) not in choices:
+            raise ConfigError(f"{flag(name)} {getattr(config, name)!r}: use one of {', '.join(choices)}")
+    estimator, group = config.adv_estimator, config.group_size
+    if estimator == "gae":
+        if group:
+            raise ConfigError(f"--group-size {group} is for the critic-free estimators: add --adv-estimator grpo, "
+                              "rloo or dr_grpo, or drop --group-size")
+        return
+    if group < 0 or config.num_envs % max(group, 1) or (group or config.num_envs) < 2:
+        raise ConfigError(f"--group-size {group}: groups of at least 2 envs that divide --num-envs {config.num_envs} "
+                          "(0: all the envs are one group)")
+    length = fixed_episode_length(config.env, config.env_params)
+    if length is None:
+        raise ConfigError(f"--adv-estimator {estimator} needs episodes of one fixed length, whole in each rollout; "
+                          f"{config.env}'s end at varying steps: use --adv-estimator gae, or an env such as "
+                          f"{', '.join(list(FIXED_EPISODE_LENGTH)[:3])}")
+    if config.num_steps % length:
+        raise ConfigError(f"--num-steps {config.num_steps}: --adv-estimator {estimator} needs whole episodes in a "
+                          f"rollout, and {config.env}'s last {length} steps: use a multiple, e.g. --num-steps "
+                          f"{length * max(1, round(config.num_steps / length))}")
 
 
 @dataclasses.dataclass
@@ -1847,16 +2029,21 @@ def run(config: Config) -> RunResult:
 GUARDED_METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm", "param_norm", "kl")
 
 
-def first_nonfinite(metrics: dict[str, np.ndarray], start: int = 0) -> str | None:
+def guarded_metrics(config: Config) -> tuple[str, ...]:
+    """The metrics the NaN guard watches (a critic-free run has no value loss: NaN by design)."""
+    return tuple(name for name in GUARDED_METRICS if config.adv_estimator == "gae" or name != "value_loss")
+
+
+def first_nonfinite(metrics: dict[str, np.ndarray], start: int = 0, names=GUARDED_METRICS) -> str | None:
     """The NaN guard: where the first non-finite loss, gradient norm, parameter norm or KL is, from
     update index `start` on ("update U, seed S: M = v"), or None. (Episode returns and ref_kl are
     NaN by design where no episode ended or the leash is off.)"""
-    bad = np.stack([~np.isfinite(metrics[name][:, start:]) for name in GUARDED_METRICS])  # [metric, seed, update]
+    bad = np.stack([~np.isfinite(metrics[name][:, start:]) for name in names])  # [metric, seed, update]
     if not bad.any():
         return None
     update = int(np.argmax(bad.any(axis=(0, 1))))
     metric, seed = np.argwhere(bad[:, :, update])[0]
-    name = GUARDED_METRICS[metric]
+    name = names[metric]
     return f"update {start + update + 1}, seed {seed}: {name} = {metrics[name][seed, start + update]}"
 
 
@@ -1908,7 +2095,7 @@ class RunRecorder:
                 self.write(append_metrics_csv, csv_path, metrics)
             return False
         self.write(append_metrics_csv, csv_path, metrics)
-        self.diverged = first_nonfinite(metrics, self.done)
+        self.diverged = first_nonfinite(metrics, self.done, guarded_metrics(self.config))
         if self.diverged:
             return True
         self.last_finite = state()
@@ -2169,7 +2356,7 @@ class SweepSetting:
         return metric.reshape(-1, self.config.num_seeds, *metric.shape[1:])
 
     def diverged(self) -> np.ndarray:  # [points, seeds]: a loss, KL or norm went non-finite (the NaN guard's test)
-        bad = [~np.isfinite(self.per_point(name)).all(axis=-1) for name in GUARDED_METRICS]
+        bad = [~np.isfinite(self.per_point(name)).all(axis=-1) for name in guarded_metrics(self.config)]
         return np.any(bad, axis=0)
 
     def final(self) -> np.ndarray:  # [points, seeds]; NaN where the agent diverged (its policy acts on NaNs)
@@ -2452,6 +2639,10 @@ def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0, quiet: bool = Fal
         done_before += agents * config.num_updates
         random_return = random_policy_return(config) if sweep.normalized_score else None
         settings.append(SweepSetting(config, result, random_return))
+        collapsed = penalty_collapsed(hparams.kl_target, result.metrics).reshape(len(sweep.points), -1).any(axis=1)
+        if collapsed.any() and jax.process_index() == 0:
+            points = " ".join(f"[{label}]" for label, bad in zip(sweep.labels, collapsed) if bad)
+            print(f"warning: setting {setting_name(i, config)}, point(s) {points}: {PENALTY_COLLAPSED}", file=sys.stderr)
         if jax.process_index() == 0:
             text = write_sweep_outputs(run_dir, sweep, settings)
     if jax.process_index() == 0:
@@ -3109,6 +3300,15 @@ def run_process(config: Config, argv: list[str]):
                   f"{jax.devices()[0].platform} devices; process 0 writes the outputs)", flush=True)
 
 
+PENALTY_COLLAPSED = ("kl_coef collapsed (below 1e-6): the KL per update stayed far below --kl-target, so the "
+                     "penalty is inactive (a larger --lr?)")
+
+
+def penalty_collapsed(kl_target, metrics: dict[str, np.ndarray]) -> np.ndarray:
+    """[agents] bool: PPO-Penalty's adaptive beta ended below 1e-6, a switch on that did nothing."""
+    return (np.asarray(kl_target) > 0) & (metrics["kl_coef"][:, -1] < 1e-6)
+
+
 def run_command(config: Config, argv: list[str]):
     """main() once the command line is parsed (and, with --distributed, the processes have met)."""
     if config.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -3196,6 +3396,8 @@ def run_command(config: Config, argv: list[str]):
         warnings.simplefilter("ignore", RuntimeWarning)  # no episode ended yet
         print(f"final return (last 10% of updates): {np.nanmean(finals):.1f}"
               + (f"  per seed: {' '.join(f'{x:.1f}' for x in finals)}" if len(finals) > 1 else ""))
+    if writer and penalty_collapsed(config.hparams.kl_target, result.metrics).any():
+        print(f"warning: {PENALTY_COLLAPSED}", file=sys.stderr)
     print(f"compile {result.lower_seconds + result.compile_seconds:.1f} s (lower {result.lower_seconds:.1f} + "
           f"compile {result.compile_seconds:.1f}), run {result.run_seconds:.1f} s, "
           f"{result.steps_per_second:,.0f} env steps/s")

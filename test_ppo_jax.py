@@ -145,6 +145,118 @@ def test_policy_objective_gradient_wrt_ratio_and_its_clip_region():
         np.testing.assert_allclose(g[np.asarray(other_side)], advantage)
 
 
+def reference_objective(r, a, eps, eps_high, c):
+    """The surrogate and its descendants in float32 scalar arithmetic, a branch per case -> (value, clipped)."""
+    f = np.float32
+    r, a, eps, eps_high, c = f(r), f(a), f(eps), f(eps_high), f(c)
+    high = eps_high if eps_high > 0 else eps
+    if eps > 0:
+        bounded = min(max(r, f(1) - eps), f(1) + high)
+        value, clipped = min(r * a, bounded * a), bool(r < f(1) - eps or r > f(1) + high)
+    else:
+        value, clipped = r * a, False
+    if c > 0 and a < 0 and value < c * a:  # dual-clip: the floor c * A
+        value, clipped = c * a, True
+    return value, clipped
+
+
+def test_policy_objective_and_its_descendants_against_a_plain_python_reference():
+    """policy_objective (clip, clip-higher, dual-clip, each alone and together, and no clipping) on a
+    grid of ratios x advantages that includes the band's edges and the crossing r = c of the dual
+    clip, value, clip flag and slope; the slope checked by central differences of the reference."""
+    eps_values = (0.2, 0.0)
+    ratios = np.float32([0.0, 0.5, 0.8, 0.8 + 1e-3, 1.0, 1.2, 1.2 + 1e-3, 1.28, 1.3, 2.0, 2.9, 3.0, 3.1, 10.0])
+    ratios = np.concatenate([ratios, np.float32(1) - np.float32([0.2]), np.float32(1) + np.float32([0.2, 0.28])])  # the exact edges
+    advantages = np.float32([-2.0, -0.5, 0.0, 0.5, 2.0])
+    r, a = (x.ravel() for x in np.meshgrid(ratios, advantages))
+    for eps in eps_values:
+        for eps_high in (0.0, 0.28) if eps else (0.0,):
+            for c in (0.0, 3.0):
+                hparams = P.HParams(clip_eps=eps, clip_eps_high=eps_high, dual_clip=c)
+                value, clipped = P.policy_objective(jnp.asarray(r), jnp.asarray(a), hparams)
+                slope = jax.vmap(jax.grad(lambda r, a: P.policy_objective(r, a, hparams)[0]))(jnp.asarray(r),
+                                                                                               jnp.asarray(a))
+                expected = [reference_objective(*case, eps, eps_high, c) for case in zip(r, a)]
+                where = f"eps {eps}, eps_high {eps_high}, dual_clip {c}"
+                np.testing.assert_array_equal(value, np.float32([v for v, _ in expected]), err_msg=where)
+                np.testing.assert_array_equal(clipped, [k for _, k in expected], err_msg=where)
+                h = 1e-4  # away from the kinks, the slope is the reference's
+                for ri, ai, si in zip(r, a, np.asarray(slope)):
+                    kinks = [1 - eps, 1 + (eps_high or eps), c] if eps else [c]
+                    if min(abs(ri - k) for k in kinks) > 2 * h:
+                        up, down = (reference_objective(np.float64(ri) + d, ai, eps, eps_high, c)[0] for d in (h, -h))
+                        assert si == pytest.approx((up - down) / (2 * h), abs=2e-2), (where, ri, ai)
+    # The crossing: at A < 0 the dual clip takes over exactly where r A falls below c A.
+    value, _ = P.policy_objective(jnp.float32([2.9, 3.1]), jnp.float32([-1.0, -1.0]), P.HParams(dual_clip=3.0))
+    np.testing.assert_array_equal(value, np.float32([-2.9, -3.0]))
+
+
+def test_group_advantages_by_hand():
+    """grpo, rloo and dr_grpo on 2 rollout slots (episodes of 2 steps) x 2 groups of 3 envs, worked by
+    hand; a group whose returns are all equal (std 0) gets 0; every step of an episode gets its
+    episode's advantage."""
+    # rewards[t, n]: slot 0 is t = 0, 1; slot 1 is t = 2, 3. Envs 0-2 are group 0, envs 3-5 group 1.
+    rewards = np.float32([[0, 1, 5, 2, 1, 0],
+                          [0, 2, 1, 0, 1, 2],   # slot 0 returns: group 0 (0, 3, 6), group 1 (2, 2, 2)
+                          [1, 0, 3, -1, 0, 1],
+                          [0, 1, 1, 0, 0, 0]])  # slot 1 returns: group 0 (1, 1, 4), group 1 (-1, 0, 1)
+    s3 = math.sqrt(3)
+    by_hand = {  # [slot][env]
+        # mean 3, sample std 3 | tied | mean 2, sample std sqrt(3) | mean 0, sample std 1
+        "grpo": [[-1, 0, 1, 0, 0, 0], [-1 / s3, -1 / s3, 2 / s3, -1, 0, 1]],
+        # R_i minus the mean of the other two
+        "rloo": [[-4.5, 0, 4.5, 0, 0, 0], [-1.5, -1.5, 3, -1.5, 0, 1.5]],
+        "dr_grpo": [[-3, 0, 3, 0, 0, 0], [-1, -1, 2, -1, 0, 1]],
+    }
+    for estimator, slots in by_hand.items():
+        advantages = P.group_advantages(jnp.asarray(rewards), estimator, group_size=3, episode_length=2)
+        expected = np.repeat(np.float32(slots), 2, axis=0)  # both steps of each episode
+        np.testing.assert_allclose(advantages, expected, rtol=1e-6, atol=1e-6, err_msg=estimator)
+
+
+def exact_kl(logits_p, logits_q):
+    log_p, log_q = jax.nn.log_softmax(logits_p), jax.nn.log_softmax(logits_q)
+    return jnp.sum(jnp.exp(log_p) * (log_p - log_q))
+
+
+LEASH_UNBIASED = {("reward", "k1"), ("loss", "k2"), ("loss", "full")}  # the README's table
+
+
+def test_kl_estimators_and_placements_give_the_gradients_the_readme_says():
+    """On a 4-action categorical policy pi_theta sampled on-policy, the expected gradient of each
+    --ref-kl-in x --ref-kl-estimator, by exact enumeration of the actions: in the loss,
+    E_a[grad k(a)]; in the reward (a penalty -k(a) that the policy gradient sees as a reward),
+    E_a[grad log pi(a) * -k(a)]. The unbiased ones equal the gradient of KL[pi || pi_ref] (written
+    here), the others differ; k3 in the loss is the gradient of the reverse KL[pi_ref || pi]."""
+    theta = jnp.array([0.3, -0.2, 1.0, 0.1])
+    ref = jnp.array([0.0, 0.5, -0.4, 0.2])
+    actions = jnp.arange(4)
+    pi = jax.nn.softmax(theta)
+    true = jax.grad(exact_kl)(theta, ref)
+    reverse = jax.grad(lambda t: exact_kl(ref, t))(theta)
+
+    def k(estimator, t):  # [4]: the estimate at each action, pi = pi_t, with P's closed-form KL for full
+        dist, ref_dist = P.Categorical(jnp.broadcast_to(t, (4, 4))), P.Categorical(jnp.broadcast_to(ref, (4, 4)))
+        return P.kl_estimate(estimator, dist.log_prob(actions), ref_dist.log_prob(actions), dist.kl(ref_dist))
+
+    score = jax.jacobian(lambda t: jax.nn.log_softmax(t))(theta)  # [a, theta]: grad log pi(a)
+    for estimator in ("k1", "k2", "k3", "full"):
+        values = k(estimator, theta)
+        if estimator != "full":  # each is an estimate of the KL: its mean under pi is the KL (k2: close to it)
+            assert float(pi @ values) == pytest.approx(float(exact_kl(theta, ref)), rel=0.5 if estimator == "k2" else 1e-5)
+        gradients = {
+            "loss": pi @ jax.jacobian(lambda t: k(estimator, t))(theta),
+            "reward": -(pi * -values) @ score,  # ascent on the reward -k is descent on this
+        }
+        for placement, gradient in gradients.items():
+            if (placement, estimator) in LEASH_UNBIASED:
+                np.testing.assert_allclose(gradient, true, rtol=1e-5, atol=1e-7, err_msg=f"{placement} {estimator}")
+            else:
+                assert float(jnp.linalg.norm(gradient - true)) > 0.1 * float(jnp.linalg.norm(true)), (placement, estimator)
+    np.testing.assert_allclose(pi @ jax.jacobian(lambda t: k("k3", t))(theta), reverse, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(pi @ jax.jacobian(lambda t: k("k1", t))(theta), 0.0, atol=1e-6)  # k1 in the loss: 0
+
+
 def test_categorical_log_prob_and_entropy_match_scipy():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(5, 4)).astype(np.float32) * 2
@@ -553,9 +665,14 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
             log_probs, entropy = reference_log_prob_and_entropy(out, log_std, actions[idx], discrete)
             ratio = jnp.exp(log_probs - old_log_probs[idx])
             surrogate = ratio * minibatch_advantages
+            high = h.clip_eps_high or h.clip_eps  # DAPO's clip-higher: the band's upper edge
+            outside = (ratio < 1 - h.clip_eps) | (ratio > 1 + high) if h.clip_eps > 0 else jnp.zeros(len(idx), bool)
             if h.clip_eps > 0:
-                clipped_ratio = jnp.clip(ratio, 1 - h.clip_eps, 1 + h.clip_eps)
+                clipped_ratio = jnp.clip(ratio, 1 - h.clip_eps, 1 + high)
                 surrogate = jnp.minimum(surrogate, clipped_ratio * minibatch_advantages)
+            floor = h.dual_clip * minibatch_advantages  # dual-clip: where A < 0, at least c A
+            dual = (h.dual_clip > 0) & (minibatch_advantages < 0) & (surrogate < floor)
+            surrogate = jnp.where(dual, floor, surrogate)
             squared = (new_values - targets[idx]) ** 2
             if h.clip_vloss and h.clip_eps > 0:
                 moved = values[idx] + jnp.clip(new_values - values[idx], -h.clip_eps, h.clip_eps)
@@ -563,7 +680,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
             diagnostics = dict(
                 policy_loss=-surrogate.mean(), value_loss=0.5 * squared.mean(), entropy=entropy.mean(),
                 approx_kl=jnp.mean(ratio - 1 - jnp.log(ratio)),
-                clip_frac=jnp.mean(jnp.abs(ratio - 1) > h.clip_eps) if h.clip_eps > 0 else 0.0)
+                clip_frac=jnp.mean(outside | dual))
             kl = reference_kl(old_out[idx], old_log_std, out, log_std, discrete).mean()
             total = (diagnostics["policy_loss"] + kl_coef * kl + h.vf_coef * diagnostics["value_loss"]
                      - h.ent_coef * diagnostics["entropy"])
@@ -691,6 +808,8 @@ REFERENCE_CASES = {  # name: (env, the update's HParams); large steps and a smal
     "kl_penalty": ("CartPole-v1", dict(clip_eps=0.0, kl_coef=1.0, kl_target=0.003, lr=3e-3)),
     "large_fixed_kl_penalty": ("Pendulum-v1", dict(clip_eps=0.0, kl_coef=10.0, lr=3e-2)),
     "leash": ("CartPole-v1", dict(ref_kl_coef=0.5, norm_obs=True, lr=1e-2, clip_eps=0.05)),
+    "clip_higher_dual_clip": ("CartPole-v1", dict(lr=1e-2, clip_eps=0.05, clip_eps_high=0.1, dual_clip=1.1)),
+    "dual_clip_unclipped": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.0, dual_clip=1.05)),
 }
 
 
@@ -712,8 +831,8 @@ def test_an_update_equals_the_independent_reference(case):
     # The case exercises what it is named for.
     reached = expected["metrics"]
     assert reached["grad_steps"] == recorded.config.update_epochs * recorded.config.num_minibatches
-    if hparams.clip_eps > 0:
-        assert reached["clip_frac"] > 0
+    if hparams.clip_eps > 0 or hparams.dual_clip > 0:
+        assert reached["clip_frac"] > 0  # without clipping (dual_clip_unclipped): the dual clip binds
     if env == "CartPole-v1":
         assert np.any(np.asarray(raw.terminated))
     else:
@@ -964,6 +1083,8 @@ def switch_test_config():
 SWITCH_BASE = dict(lr=3e-3)  # large enough steps that clipping and early stopping can bite
 SWITCHES = {  # name: (overrides of the base point, overrides of the flipped point)
     "clip_eps": ({}, dict(clip_eps=0.0)),
+    "clip_eps_high": (dict(clip_eps=0.05), dict(clip_eps=0.05, clip_eps_high=0.1)),
+    "dual_clip": ({}, dict(dual_clip=1.05)),
     "kl_coef": ({}, dict(kl_coef=1.0)),
     "kl_target": (dict(kl_coef=1.0), dict(kl_coef=1.0, kl_target=1e-4)),
     "ref_kl_coef": ({}, dict(ref_kl_coef=1.0)),
@@ -1040,6 +1161,71 @@ def test_static_switches_change_the_run(static):
     _, base = TrainPrograms(config)(jax.random.PRNGKey(0), config.hparams)
     _, flipped = TrainPrograms(dataclasses.replace(config, **static))(jax.random.PRNGKey(0), config.hparams)
     assert not np.array_equal(base["value_loss"], flipped["value_loss"])
+
+
+def actor_params(params):
+    """The policy's own leaves (actor trunk, policy head, log_std), by path."""
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+            if not re.search(r"critic_|value_head", jax.tree_util.keystr(path))}
+
+
+def test_estimators_and_leash_choices_change_the_first_updates():
+    """The static switches of PPO's descendants are live: each --adv-estimator (on Catch-bsuite, two
+    episodes of 9 steps per rollout; unnormalised advantages, where rloo and dr_grpo differ by
+    more than a scale) and each --ref-kl-estimator x --ref-kl-in (the leash acts from the second
+    update) gives other policy params after two updates. A critic-free network has no critic."""
+    def two_updates(**static):
+        config = tiny_config(**static)
+        state, metrics = TrainPrograms(config)(jax.random.PRNGKey(0), config.hparams)
+        return actor_params(state.params), state.params, metrics
+
+    catch = dict(env="Catch-bsuite", num_steps=18, num_envs=6, total_timesteps=6 * 18 * 2,
+                 hparams=P.HParams(lr=1e-2, norm_adv=False, ent_coef=0.1))
+    runs = {estimator: two_updates(adv_estimator=estimator, group_size=3, **catch)
+            for estimator in ("grpo", "rloo", "dr_grpo")}
+    runs["gae"] = two_updates(**catch)
+    for estimator, (actor, params, metrics) in runs.items():
+        assert (len(actor) < len(jax.tree.leaves(params))) == (estimator == "gae"), f"{estimator}: a critic?"
+        assert np.all(np.isnan(metrics["value_loss"])) == (estimator != "gae")
+        assert np.all(np.isnan(metrics["explained_variance"])) == (estimator != "gae")
+        assert np.all(np.isfinite(metrics["policy_loss"]))
+    for a, b in [("gae", "grpo"), ("grpo", "rloo"), ("rloo", "dr_grpo"), ("grpo", "dr_grpo")]:
+        assert any(not np.array_equal(runs[a][0][k], runs[b][0][k]) for k in runs[a][0]), f"{a} == {b}"
+
+    # The leash's wiring (kl_estimate itself: test_kl_estimators_and_placements_give_the_gradients_the_readme_says):
+    # the reward uses the chosen estimator, the loss carries the leash, and the loss's full KL is pi_ref's.
+    leashed = dict(total_timesteps=4 * 32 * 2, hparams=P.HParams(lr=1e-2, ref_kl_coef=1.0))
+    runs = {choice: two_updates(ref_kl_in=choice[0], ref_kl_estimator=choice[1], **leashed)[0]
+            for choice in [("reward", "k1"), ("reward", "k3"), ("loss", "k1"), ("loss", "full")]}
+    for a, b in [(("reward", "k1"), ("reward", "k3")), (("reward", "k1"), ("loss", "k1")),
+                 (("loss", "k1"), ("loss", "full"))]:
+        assert any(not np.array_equal(runs[a][k], runs[b][k]) for k in runs[a]), f"{a} == {b}"
+
+
+@pytest.mark.parametrize("env_id, overrides", [(env_id, ()) for env_id in P.FIXED_EPISODE_LENGTH] + [
+    ("Pendulum-v1", ("max_steps_in_episode=7",)), ("MemoryChain-bsuite", ("memory_length=3",)),
+    ("UmbrellaChain-bsuite", ("chain_length=4",))])
+def test_fixed_episode_lengths_hold(env_id, overrides):
+    """FIXED_EPISODE_LENGTH, which the critic-free estimators trust, against gymnax itself: 16 envs
+    acting at random for three episodes' worth of steps end their episodes exactly every L steps."""
+    length = P.fixed_episode_length(env_id, overrides)
+    env, params = P.make_gymnax(env_id, overrides)
+
+    def episode_ends(key):
+        obs, state = env.reset(key, params)
+
+        def step(carry, key):
+            state = carry
+            action_key, step_key = jax.random.split(key)
+            _, state, _, terminated, truncated, _ = env.step(step_key, state, env.action_space(params).sample(action_key),
+                                                             params)
+            return state, terminated | truncated
+
+        return jax.lax.scan(step, state, jax.random.split(key, 3 * length))[1]
+
+    done = np.asarray(jax.jit(jax.vmap(episode_ends))(jax.random.split(jax.random.PRNGKey(1), 16)))  # [16, 3L]
+    expected = (np.arange(3 * length) % length) == length - 1
+    np.testing.assert_array_equal(done, np.broadcast_to(expected, done.shape), err_msg=f"{env_id} {overrides}")
 
 
 def test_shared_trunk_has_one_trunk():
@@ -1262,6 +1448,13 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--env-devices", "3"], ["--env-devices 3", "--num-envs 4", "divide"]),
     (["--env-devices", "2", "--recurrent", "gru", "--num-minibatches", "4"], ["--env-devices 2", "env sequences"]),
     (["--env-devices", "-1"], ["--env-devices", ">= 0"]),
+    (["--dual-clip", "0.5"], ["--dual-clip", "> 1"]),
+    (["--clip-eps", "0", "--clip-eps-high", "0.28"], ["--clip-eps-high", "--clip-eps 0"]),
+    (["--adv-estimator", "grpo"], ["--adv-estimator grpo", "CartPole-v1", "fixed length", "Pendulum-v1"]),
+    (["--env", "Catch-bsuite", "--adv-estimator", "rloo"], ["--num-steps 128", "9 steps", "--num-steps 126"]),
+    (["--env", "Catch-bsuite", "--adv-estimator", "grpo", "--num-steps", "18", "--group-size", "3"],
+     ["--group-size 3", "--num-envs 4"]),
+    (["--group-size", "2"], ["--group-size 2", "--adv-estimator"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -1531,6 +1724,53 @@ def test_learns_the_mountain_cars_at_their_own_defaults(tmp_path, env, published
     assert np.mean(returns) >= floor and np.all(returns >= floor - 15), returns
 
 
+@pytest.mark.parametrize("flags", [["--dual-clip", "3"], ["--clip-eps-high", "0.28"]])
+def test_learns_cartpole_with_a_descendant_of_the_clip(tmp_path, flags):
+    """Dual-clip (c = 3) and DAPO's clip-higher (0.28) each learn CartPole-v1 at the classic config's
+    5e5 steps, 2 seeds, as the clipped surrogate does."""
+    result = P.main(flags + ["--num-seeds", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--table-rows", "0"])
+    finals = P.final_return(result.metrics)
+    print(f"CartPole-v1 {' '.join(flags)} final return per seed: {finals}")
+    assert np.all(finals >= 475), finals
+
+
+def test_learns_catch_with_grpo_the_leash_in_the_loss_and_no_critic(tmp_path):
+    """GRPO's recipe, as a user starts it: groups of 8 envs on Catch-bsuite (9-step episodes, 2 per
+    rollout), the k3 leash in the loss, to (and from) the policy of an earlier run with a critic.
+    Critic-free: params.msgpack has no critic, the value metrics are NaN (empty in metrics.csv), and
+    the catcher learns (random play returns about -0.6, the best 1)."""
+    catch = ["--env", "Catch-bsuite", "--num-envs", "32", "--num-steps", "18", "--quiet", "--table-rows", "0"]
+    P.main(catch + ["--total-timesteps", str(2 * 32 * 18), "--run-dir", str(tmp_path / "gae")])
+    start = str(tmp_path / "gae" / "params.msgpack")
+    result = P.main(catch + ["--adv-estimator", "grpo", "--group-size", "8", "--total-timesteps", "150000",
+                             "--num-seeds", "2", "--init-params", start, "--ref-params", start, "--ref-kl-coef", "0.01",
+                             "--ref-kl-in", "loss", "--ref-kl-estimator", "k3", "--run-dir", str(tmp_path / "grpo")])
+    finals = P.final_return(result.metrics)
+    print(f"Catch-bsuite GRPO final return per seed: {finals}")
+    assert np.all(finals >= 0.9), finals
+    with open(tmp_path / "grpo" / "params.msgpack", "rb") as f:
+        saved = " ".join(serialization.msgpack_restore(f.read())["params"]["params"])
+    assert "actor_0" in saved and "critic" not in saved and "value_head" not in saved, saved
+    with open(tmp_path / "grpo" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert all(row["value_loss"] in ("", "nan") and row["explained_variance"] in ("", "nan") for row in rows)
+    assert all(float(row["ref_kl"]) >= 0 for row in rows)
+
+
+def test_a_collapsed_ppo_penalty_is_reported(tmp_path, capsys):
+    """PPO-Penalty's beta halves after every update whose KL is below d_targ / 1.5: from 1e-5 it is
+    below 1e-6 within 4 updates, the penalty inert. A run says so once, at its end; a sweep names
+    the points (here the one with --kl-target; the other's beta stays fixed)."""
+    tiny = ["--total-timesteps", str(8 * 4 * 32), "--num-steps", "32", "--hidden-sizes", "16", "16", "--quiet",
+            "--table-rows", "0", "--clip-eps", "0", "--kl-coef", "1e-5"]
+    P.main(tiny + ["--kl-target", "1", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert err.count("warning: kl_coef collapsed") == 1 and "--kl-target" in err, err
+    P.main(tiny + ["--sweep-set", "kl_target=0,1", "--run-dir", str(tmp_path / "sweep")])
+    warnings_ = [line for line in capsys.readouterr().err.splitlines() if "kl_coef collapsed" in line]
+    assert len(warnings_) == 1 and "[kl_target=1]" in warnings_[0] and "[kl_target=0]" not in warnings_[0], warnings_
+
+
 def test_learns_cartpole_with_ppo_penalty_adaptive_kl():
     """PPO-Penalty alone (no clipping), adaptive beta with d_targ 0.01. At the classic lr 2.5e-4 the
     KL per update stays far below d_targ and beta decays to 0, so the penalty never acts; at 2.5e-3
@@ -1722,6 +1962,8 @@ def test_static_settings_take_env_defaults_and_command_line_wins():
     ({"random": {"count": 2, "lr": {"normal": [0, 1]}}}, ["lr", "log_uniform"]),
     ({"grid": {"lr": [1e-3]}, "random": {"count": 2, "lr": {"uniform": [1e-4, 1e-3]}}}, ["both"]),
     ({"grid": []}, ["no points"]),
+    ({"static": [{"adv_estimator": "ppo"}]}, ["--adv-estimator 'ppo'", "grpo"]),
+    ({"grid": {"dual_clip": [3.0, 0.9]}}, ["--dual-clip 0.9", "> 1"]),
 ])
 def test_bad_sweep_specs_name_the_key(spec, words):
     with pytest.raises(P.ConfigError) as error:
@@ -1830,6 +2072,10 @@ def env_sharded_configs(one_devices: int, gru_devices: int) -> dict[str, P.Confi
                            hparams=ENV_SHARDED_HPARAMS),
         "gru": tiny_config(num_envs=8, num_minibatches=2, total_timesteps=8 * 32 * 3, recurrent="gru",
                            env_devices=gru_devices),
+        # Critic-free, groups of 4 envs spanning devices of 2 envs each, the exact KL leash in the loss.
+        "grpo": tiny_config(env="Catch-bsuite", num_envs=8, num_steps=18, total_timesteps=8 * 18 * 3,
+                            adv_estimator="grpo", group_size=4, ref_kl_in="loss", ref_kl_estimator="full",
+                            env_devices=one_devices, hparams=P.HParams(lr=1e-2, ref_kl_coef=0.1)),
     }
 
 
@@ -1885,7 +2131,7 @@ def test_one_agents_envs_sharded_over_devices_equal_one_device(tmp_path):
     """--env-devices: an agent's envs over 2 or 4 CPU devices (one shard_map: each device its envs'
     rollout and its part of every minibatch, the gradients averaged) learn as on one device, to float
     rounding: metrics, params and observation statistics; with --norm-obs, --scale-reward,
-    --target-kl, a GRU, two agents of different hparams; a resumed sharded run is bit-identical; every
+    --target-kl, a GRU, GRPO's groups across devices, two agents of different hparams; a resumed sharded run is bit-identical; every
     device holds the same copy of the params, Adam's state and the statistics."""
     out = tmp_path / "env_sharded.npz"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
