@@ -3102,7 +3102,37 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=Config.env)
     env_id = pre.parse_known_args(argv)[0].env
-    return tyro.cli(Config, args=argv, default=default_config(env_id), description=__doc__.split("\n\n")[0])
+    captured = io.StringIO()  # tyro reports a bad flag in a box of many lines: made one line here
+    try:
+        with contextlib.redirect_stderr(captured):
+            config = tyro.cli(Config, args=argv, default=default_config(env_id), description=__doc__.split("\n\n")[0])
+    except SystemExit as error:
+        if error.code:
+            fail(ConfigError(one_line_parse_error(captured.getvalue())))
+        sys.stderr.write(captured.getvalue())
+        raise
+    sys.stderr.write(captured.getvalue())
+    return config
+
+
+def one_line_parse_error(text: str) -> str:
+    """tyro's message (a titled box, or its plain-text form) -> its first paragraph and the first flag
+    it suggests, on one line."""
+    boxed = "╭" in text
+    rows = [line.strip().strip("│").strip() for line in text.splitlines() if not line.strip().startswith(("╭", "╰"))]
+    paragraphs, current = [], []
+    for row in rows + ["-"]:
+        if row and set(row) <= {"─", "-"}:  # a rule between paragraphs
+            paragraphs.append(current)
+            current = []
+        elif row:
+            current.append(row)
+    paragraphs = [paragraph for paragraph in paragraphs if paragraph][0 if boxed else 1:]  # plain text: a title first
+    if not paragraphs:
+        return text.strip().splitlines()[0] if text.strip() else "the command line could not be parsed"
+    suggestion = next((p[1].split()[0] for p in paragraphs if len(p) > 1 and p[0] == "Perhaps you meant:"), None)
+    return (" ".join(paragraphs[0]).rstrip(".") + (f"; did you mean {suggestion}?" if suggestion else "")
+            + " (python ppo_jax.py --help lists every flag)")
 
 
 def explicit_fields(argv: Sequence[str]) -> set[str]:

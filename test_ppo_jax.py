@@ -1455,6 +1455,12 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--env", "Catch-bsuite", "--adv-estimator", "grpo", "--num-steps", "18", "--group-size", "3"],
      ["--group-size 3", "--num-envs 4"]),
     (["--group-size", "2"], ["--group-size 2", "--adv-estimator"]),
+    # What the command-line parser itself refuses (a box of many lines from tyro, made one line).
+    (["--lrr", "3"], ["--lrr", "did you mean --lr?", "--help"]),
+    (["--num-envs", "2.5"], ["--num-envs", "'2.5'"]),
+    (["--activation", "sigmoid"], ["--activation", "'sigmoid'", "'tanh', 'relu'"]),
+    (["--ref-kl-estimator", "k4"], ["--ref-kl-estimator", "'k4'", "'k3'"]),
+    (["--lr"], ["--lr", "Missing value"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
