@@ -442,9 +442,19 @@ MOUNTAIN_CAR_CONTINUOUS: dict[str, Any] = dict(  # the same, with twice the envs
 )
 
 
+# Acrobot in gymnax-blines' batch shape and network (16 envs x 32 steps, ReLU, a constant lr,
+# gradient norm 1), at a higher lr and without the entropy bonus: tuned here, sweeps/tune_Acrobot-v1.toml.
+ACROBOT: dict[str, Any] = dict(
+    num_envs=16,
+    num_steps=32,
+    activation="relu",
+    hparams=dict(lr=1e-3, ent_coef=0.0, anneal_lr=False, max_grad_norm=1.0),
+)
+
+
 ENV_DEFAULTS: dict[str, dict[str, Any]] = {
     "CartPole-v1": CLASSIC_DISCRETE,
-    "Acrobot-v1": CLASSIC_DISCRETE,
+    "Acrobot-v1": ACROBOT,
     "MountainCar-v0": MOUNTAIN_CAR,
     "Pendulum-v1": CLASSIC_CONTINUOUS,
     "MountainCarContinuous-v0": MOUNTAIN_CAR_CONTINUOUS,
@@ -1071,7 +1081,8 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
         "kl_coef": state.kl_coef,  # the beta this update used
         "ref_kl": jnp.where(hparams.ref_kl_coef > 0, sums["ref_kl"] / env.shards, jnp.nan),  # mean over devices
         "grad_steps": jnp.sum(grad_steps),
-        "explained_variance": explained_variance(batch.value, batch.targets) if network.critic else jnp.float32(jnp.nan),
+        "explained_variance": (explained_variance(batch.value, batch.targets) if network.critic
+                               else jnp.float32(jnp.nan)),  # critic-free: no values
         "learning_rate": lr,
         "param_norm": jnp.sqrt(jnp.sum(flat_params**2)),  # after the update; non-finite: see the NaN guard
     }

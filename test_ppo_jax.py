@@ -1719,11 +1719,13 @@ def test_learns_pendulum():
     assert np.all(finals >= -400), finals
 
 
-@pytest.mark.parametrize("env, published, floor", [("MountainCar-v0", -118, -125), ("MountainCarContinuous-v0", 92, 90)])
-def test_learns_the_mountain_cars_at_their_own_defaults(tmp_path, env, published, floor):
+@pytest.mark.parametrize("env, published, floor", [("MountainCar-v0", -118, -125), ("MountainCarContinuous-v0", 92, 90),
+                                                   ("Acrobot-v1", -80, -85)])
+def test_learns_at_the_tuned_defaults_of_each_env(tmp_path, env, published, floor):
     """The tuned defaults (sweeps/tune_<env>.toml), at the published budget, 2 seeds: the
     deterministic policy's mean return near gymnax-blines' published PPO return (MountainCar-v0
-    -118, MountainCarContinuous-v0 92), where the family defaults never reach the flag."""
+    -118, MountainCarContinuous-v0 92, where the family defaults never reach the flag; Acrobot-v1 -80,
+    where they reach -82)."""
     P.main(["--env", env, "--num-seeds", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--table-rows", "0"])
     returns = P.main(["--eval", str(tmp_path / "run"), "--episodes", "50", "--deterministic"]).mean(axis=1)
     print(f"{env} deterministic eval per seed: {returns} (published {published})")
