@@ -9,6 +9,7 @@ jax.jit; seeds and whole hyperparameter grids are vmapped inside that one progra
     python ppo_jax.py --env Pendulum-v1 --num-seeds 4
     python ppo_jax.py --sweep sweeps/clip_vs_kl.toml    # the PPO paper's Table 1, one compile per env
     python ppo_jax.py --env Acrobot-v1 --help           # every flag, with Acrobot's defaults
+    ppo_jax.load_run(RUN_DIR).act(obs)                  # from Python: a trained run's policy acts
 
 Where to hack (the four rules a change must keep are in HParams' docstring):
     surrogate objective      policy_objective       the loss (Eq. 9)       ppo_loss
@@ -3021,13 +3022,59 @@ DRAWABLE_ENVS = ("CartPole-v1", "Pendulum-v1", "Acrobot-v1", "MountainCar-v0", "
                  "SpaceInvaders-MinAtar", "Pong-misc", "PointRobot-misc", "MetaMaze-misc", "FourRooms-misc")
 
 
-def act(network: ActorCritic, policy: Policy, raw_obs, env_state: EnvState, hidden, hparams: HParams,
-        deterministic: bool, key):
-    """A saved policy's action in every env, its mode (argmax; the Gaussian's mean) or a sample,
-    and its recurrent state after the step -> (action, hidden)."""
+def act(network: ActorCritic, policy: Policy, raw_obs, first, hidden, hparams: HParams, deterministic: bool, key):
+    """A saved policy's action in every env (flat observations [N, obs_dim], `first` [N]: the step
+    begins an episode), its mode (argmax; the Gaussian's mean) or a sample, and its recurrent state
+    after the step -> (action, hidden)."""
     observed = observe(policy.obs_stats, raw_obs, hparams)
-    hidden, dist, _ = policy_step(network, policy.params, observed, env_state.first, hidden)
+    hidden, dist, _ = policy_step(network, policy.params, observed, first, hidden)
     return (dist.mode() if deterministic else dist.sample(key)), hidden
+
+
+class TrainedPolicy:
+    """A trained run's policy, to act with from Python (see load_run). act(obs) takes one raw
+    observation as the gymnax env gives it (or a batch of them) and returns the action as the env
+    takes it (continuous: clipped to the action space): the policy's mode without a key, a sample
+    with one. A recurrent policy keeps its state between calls; reset() begins a new episode."""
+
+    def __init__(self, config: Config, policy: Policy):
+        self.config, self.policy = config, policy
+        self.env = make_env(dataclasses.replace(config, num_envs=1))
+        self.network = make_network(config, self.env)
+        self._act = jax.jit(functools.partial(act, self.network), static_argnames="deterministic")
+        self.reset()
+
+    def reset(self) -> None:
+        self.hidden = None  # the next act() begins an episode
+
+    def act(self, obs, key=None):
+        obs = jnp.asarray(obs)
+        single = obs.ndim == len(self.env.obs_shape)
+        flat = self.env._flat(obs[None] if single else obs)
+        first = jnp.full(len(flat), self.hidden is None)
+        hidden = initial_hidden(self.network, len(flat)) if self.hidden is None else self.hidden
+        action, self.hidden = self._act(self.policy, flat, first, hidden, self.config.hparams, key is None,
+                                        jax.random.PRNGKey(0) if key is None else key)
+        if not self.env.discrete:
+            action = jnp.clip(action.reshape(len(flat), *self.env.action_shape), self.env.action_low,
+                              self.env.action_high)
+        return action[0] if single else action
+
+
+def load_run(run_dir: str, seed: int = 0) -> TrainedPolicy:
+    """The final policy of seed `seed` of the run in run_dir (its config.json and params.msgpack):
+
+        policy = load_run("runs/CartPole-v1-20261202-120000")
+        action = policy.act(obs)                      # or policy.act(obs, key): a sample
+    """
+    config = load_run_config(run_dir, "load_run")
+    env = make_env(config)
+    policies = read_policies(config, env, make_network(config, env), os.path.join(run_dir, "params.msgpack"),
+                             f"load_run {run_dir}:")
+    num_seeds = len(policies.obs_stats.count)
+    if not 0 <= seed < num_seeds:
+        raise ConfigError(f"load_run {run_dir}: holds {num_seeds} seed(s); seed {seed} is not one of them")
+    return TrainedPolicy(config, jax.tree.map(lambda x: jnp.asarray(x[seed]), policies))
 
 
 def evaluate(config: Config, policies: Policy, episodes: int, deterministic: bool, seed: int = 0) -> np.ndarray:
@@ -3044,7 +3091,8 @@ def evaluate(config: Config, policies: Policy, episodes: int, deterministic: boo
         def step(carry):
             obs, env_state, hidden, key, returns, ended, t = carry
             key, action_key, step_key, reset_key = jax.random.split(key, 4)
-            action, hidden = act(network, policy, obs, env_state, hidden, config.hparams, deterministic, action_key)
+            action, hidden = act(network, policy, obs, env_state.first, hidden, config.hparams, deterministic,
+                                 action_key)
             resets = jax.tree.map(lambda x: x[0], env.draw_resets(reset_key, 1))
             obs, env_state, _, terminated, truncated, info = env.step(
                 jax.random.split(step_key, episodes), env_state, action, resets)
@@ -3080,7 +3128,8 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
         def step(carry, inputs):
             obs, env_state, hidden = carry
             action_key, step_key, reset = inputs
-            action, hidden = act(network, policy, obs, env_state, hidden, config.hparams, deterministic, action_key)
+            action, hidden = act(network, policy, obs, env_state.first, hidden, config.hparams, deterministic,
+                                 action_key)
             next_obs, next_state, reward, terminated, truncated, _ = env.step(step_key[None], env_state, action, reset)
             return (next_obs, next_state, hidden), (env_state.env_state, reward[0], (terminated | truncated)[0])
 

@@ -2329,6 +2329,70 @@ def test_sweep_chunk_gives_the_same_runs(tmp_path):
         np.testing.assert_allclose([float(x) for x in b[-3:-1]], [float(x) for x in a[-3:-1]], rtol=1e-5)
 
 
+def test_load_run_acts_as_the_evaluation_does(tmp_path):
+    """The README's three lines, `policy = load_run(RUN); policy.act(obs)`: on CartPole, in a plain
+    gymnax loop, act(obs) is the argmax of the saved network's logits at every step, and the
+    episodes' returns equal --eval --deterministic's from the same starts; act(batch, key) samples
+    with the policy's probabilities; a continuous action is the mean clipped to the bounds; a
+    recurrent policy carries its state until reset(); a missing seed is one line."""
+    run_dir = tmp_path / "run"
+    tiny = ["--total-timesteps", "128", "--num-steps", "32", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
+    P.main([*tiny, "--num-seeds", "2", "--norm-obs", "--run-dir", str(run_dir)])
+    returns = P.main(["--eval", str(run_dir), "--episodes", "3", "--deterministic", "--seed", "5"])
+    config = P.load_run_config(str(run_dir), "test")
+    env = P.make_env(dataclasses.replace(config, num_envs=3))
+    network = P.make_network(config, env)
+    policies = P.read_policies(config, env, network, str(run_dir / "params.msgpack"), "test")
+    for seed, key in enumerate(jax.random.split(jax.random.PRNGKey(5), 2)):
+        policy = P.load_run(str(run_dir), seed)
+        saved = jax.tree.map(lambda x: x[seed], policies)
+        _, env_state = env.reset(jax.random.split(key)[0])
+        for episode in range(3):
+            state = jax.tree.map(lambda x: x[episode], env_state.env_state)
+            total, done = 0.0, False
+            while not done:
+                obs = env.env.get_obs(state, env.env_params)
+                normalised = np.clip((obs - saved.obs_stats.mean) / np.sqrt(saved.obs_stats.var + 1e-8), -10, 10)
+                logits = network.apply(saved.params, jnp.asarray(normalised, jnp.float32)[None])[1].logits[0]
+                action = policy.act(obs)
+                assert int(action) == int(np.argmax(logits))
+                _, state, reward, terminated, _ = env.env.step_env(jax.random.PRNGKey(0), state, action, env.env_params)
+                total += float(reward)
+                done = bool(terminated) or bool(env.env.is_truncated(state, env.env_params))
+            assert returns[seed, episode] == total, (seed, episode)
+    samples = np.asarray(policy.act(np.tile(obs, (20000, 1)), jax.random.PRNGKey(1)))
+    frequencies = np.bincount(samples, minlength=2) / len(samples)
+    np.testing.assert_allclose(frequencies, np.asarray(jax.nn.softmax(logits)), atol=0.015)
+    with pytest.raises(P.ConfigError, match="holds 2 seed"):
+        P.load_run(str(run_dir), 2)
+
+    P.main(["--env", "Pendulum-v1", "--num-envs", "4", "--num-minibatches", "4", *tiny,
+            "--run-dir", str(tmp_path / "pendulum")])
+    policy = P.load_run(str(tmp_path / "pendulum"))
+    obs = np.float32([0.6, 0.8, 7.5])
+    mean = policy.network.apply(policy.policy.params, obs[None])[1].mean[0]
+    np.testing.assert_array_equal(policy.act(obs), np.clip(mean, -2.0, 2.0))
+    assert policy.act(obs).shape == (1,)
+
+    P.main(["--env", "MemoryChain-bsuite", "--recurrent", "gru", "--recurrent-size", "8", "--num-minibatches", "2",
+            *tiny, "--run-dir", str(tmp_path / "gru")])
+    policy = P.load_run(str(tmp_path / "gru"))
+    first = np.float32([1.0, 0.0, 0.0])
+    later = np.float32([0.0, 0.0, 0.0])
+    hidden = P.initial_hidden(policy.network, 1)
+    for obs, is_first in ((first, True), (later, False)):
+        hidden, dist, _ = P.policy_step(policy.network, policy.policy.params, jnp.asarray(obs)[None],
+                                        jnp.asarray([is_first]), hidden)
+        assert int(policy.act(obs)) == int(dist.mode()[0])
+        np.testing.assert_allclose(policy.hidden, hidden, rtol=1e-5, atol=1e-6)  # the state carried on
+    policy.reset()
+    policy.act(later)
+    fresh = P.policy_step(policy.network, policy.policy.params, jnp.asarray(later)[None], jnp.asarray([True]),
+                          P.initial_hidden(policy.network, 1))[0]
+    np.testing.assert_allclose(policy.hidden, fresh, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(fresh, hidden)  # (a new episode's state differs from the carried one)
+
+
 def test_eval_sampled_and_continuous(tmp_path, capsys):
     """Sampled --eval is reproducible by --seed and differs across seeds; a continuous policy's
     --eval --deterministic equals a plain-Python episode loop with the mean action clipped to the
