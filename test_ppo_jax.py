@@ -1642,6 +1642,30 @@ def test_bad_resume_and_eval_inputs_are_one_line_and_change_nothing(tmp_path, ca
     assert directory_bytes(tmp_path) == before
 
 
+def replay_eval_episodes(run_dir, episodes: int, eval_seed: int, choose) -> np.ndarray:
+    """--eval's episodes (the same starts: its --seed's keys) played in plain Python, one gymnax step
+    at a time, with the action choose(seed, network, saved policy, raw observation) -> returns [seeds,
+    episodes]."""
+    config = P.load_run_config(str(run_dir), "test")
+    env = P.make_env(dataclasses.replace(config, num_envs=episodes))
+    network = P.make_network(config, env)
+    policies = P.read_policies(config, env, network, str(run_dir / "params.msgpack"), "test")
+    num_seeds = len(policies.obs_stats.count)
+    returns = np.zeros((num_seeds, episodes))
+    for seed, key in enumerate(jax.random.split(jax.random.PRNGKey(eval_seed), num_seeds)):
+        saved = jax.tree.map(lambda x: x[seed], policies)
+        _, env_state = env.reset(jax.random.split(key)[0])
+        for episode in range(episodes):
+            state, done = jax.tree.map(lambda x: x[episode], env_state.env_state), False
+            while not done:
+                obs = np.asarray(env.env.get_obs(state, env.env_params), np.float32)
+                _, state, reward, terminated, _ = env.env.step_env(jax.random.PRNGKey(0), state,
+                                                                   choose(seed, network, saved, obs), env.env_params)
+                returns[seed, episode] += float(reward)
+                done = bool(terminated) or bool(env.env.is_truncated(state, env.env_params))
+    return returns
+
+
 def test_eval_returns_equal_a_python_loop_and_render_writes_the_episode(tmp_path, capsys):
     """--eval --deterministic against stepping gymnax's CartPole in plain Python with the argmax
     action from the same initial states; --render writes a GIF of one episode, frame by frame. (An
@@ -1657,24 +1681,8 @@ def test_eval_returns_equal_a_python_loop_and_render_writes_the_episode(tmp_path
     out = capsys.readouterr().out
     assert returns.shape == (2, 3) and "±" in out and "rendered seed 1" in out
 
-    config = P.load_run_config(str(run_dir), "--eval")
-    env = P.make_env(dataclasses.replace(config, num_envs=3))
-    network = P.make_network(config, env)
-    policies = P.read_policies(config, env, network, str(run_dir / "params.msgpack"), "test")
-    for seed, key in enumerate(jax.random.split(jax.random.PRNGKey(5), 2)):
-        policy = jax.tree.map(lambda x: x[seed], policies)
-        _, env_state = env.reset(jax.random.split(key)[0])
-        for episode in range(3):
-            state = jax.tree.map(lambda x: x[episode], env_state.env_state)
-            total, done = 0.0, False
-            while not done:
-                obs = env.env.get_obs(state, env.env_params)
-                _, dist, _ = network.apply(policy.params, jnp.asarray(obs, jnp.float32)[None])
-                _, state, reward, terminated, _ = env.env.step_env(
-                    jax.random.PRNGKey(0), state, int(dist.mode()[0]), env.env_params)
-                total += float(reward)
-                done = bool(terminated) or bool(env.env.is_truncated(state, env.env_params))
-            assert returns[seed, episode] == total, (seed, episode)
+    argmax = lambda seed, network, saved, obs: int(network.apply(saved.params, obs[None])[1].mode()[0])  # noqa: E731
+    np.testing.assert_array_equal(returns, replay_eval_episodes(run_dir, 3, 5, argmax))
 
     frames = Image.open(tmp_path / "episode.gif").n_frames
     assert 1 <= frames <= 500 and frames == int(re.search(r"episode of (\d+) steps", out).group(1))
@@ -2339,27 +2347,19 @@ def test_load_run_acts_as_the_evaluation_does(tmp_path):
     tiny = ["--total-timesteps", "128", "--num-steps", "32", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
     P.main([*tiny, "--num-seeds", "2", "--norm-obs", "--run-dir", str(run_dir)])
     returns = P.main(["--eval", str(run_dir), "--episodes", "3", "--deterministic", "--seed", "5"])
-    config = P.load_run_config(str(run_dir), "test")
-    env = P.make_env(dataclasses.replace(config, num_envs=3))
-    network = P.make_network(config, env)
-    policies = P.read_policies(config, env, network, str(run_dir / "params.msgpack"), "test")
-    for seed, key in enumerate(jax.random.split(jax.random.PRNGKey(5), 2)):
-        policy = P.load_run(str(run_dir), seed)
-        saved = jax.tree.map(lambda x: x[seed], policies)
-        _, env_state = env.reset(jax.random.split(key)[0])
-        for episode in range(3):
-            state = jax.tree.map(lambda x: x[episode], env_state.env_state)
-            total, done = 0.0, False
-            while not done:
-                obs = env.env.get_obs(state, env.env_params)
-                normalised = np.clip((obs - saved.obs_stats.mean) / np.sqrt(saved.obs_stats.var + 1e-8), -10, 10)
-                logits = network.apply(saved.params, jnp.asarray(normalised, jnp.float32)[None])[1].logits[0]
-                action = policy.act(obs)
-                assert int(action) == int(np.argmax(logits))
-                _, state, reward, terminated, _ = env.env.step_env(jax.random.PRNGKey(0), state, action, env.env_params)
-                total += float(reward)
-                done = bool(terminated) or bool(env.env.is_truncated(state, env.env_params))
-            assert returns[seed, episode] == total, (seed, episode)
+    loaded = [P.load_run(str(run_dir), seed) for seed in range(2)]
+    seen = []
+
+    def act(seed, network, saved, obs):  # load_run's action, checked against the saved network's argmax
+        normalised = np.clip((obs - saved.obs_stats.mean) / np.sqrt(saved.obs_stats.var + 1e-8), -10, 10)
+        logits = network.apply(saved.params, jnp.asarray(normalised, jnp.float32)[None])[1].logits[0]
+        action = loaded[seed].act(obs)
+        assert int(action) == int(np.argmax(logits))
+        seen.append((obs, logits))
+        return action
+
+    np.testing.assert_array_equal(returns, replay_eval_episodes(run_dir, 3, 5, act))
+    policy, (obs, logits) = loaded[1], seen[-1]
     samples = np.asarray(policy.act(np.tile(obs, (20000, 1)), jax.random.PRNGKey(1)))
     frequencies = np.bincount(samples, minlength=2) / len(samples)
     np.testing.assert_allclose(frequencies, np.asarray(jax.nn.softmax(logits)), atol=0.015)
