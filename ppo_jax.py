@@ -3301,11 +3301,30 @@ def run_eval(cli: Config, argv: Sequence[str]) -> np.ndarray:
         print(f"  seed {seed}: {np.nanmean(row):.2f} ± {np.nanstd(row):.2f}"
               + (f"  ({unfinished} episode(s) did not end within {env.episode_limit()} steps)" if unfinished else ""))
     print(f"return {np.nanmean(returns):.2f} ± {np.nanstd(returns):.2f} over {np.sum(~np.isnan(returns))} complete episodes")
+    save_eval(cli, config, returns)
     if cli.render is not None:
         policy = jax.tree.map(lambda x: x[cli.params_index], policies)
         length = render_episode(config, policy, cli.render, cli.deterministic, cli.seed)
         print(f"rendered seed {cli.params_index}'s episode of {length} steps: {cli.render}")
     return returns
+
+
+def save_eval(cli: Config, config: Config, returns: np.ndarray) -> None:
+    """--eval's returns into RUN_DIR/eval-<timestamp>.json, a new file each time (NaN: null, an
+    episode that did not end). One that cannot be written is a warning: the returns were printed."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, n = os.path.join(cli.eval, f"eval-{stamp}.json"), 2
+    while os.path.exists(path):
+        path, n = os.path.join(cli.eval, f"eval-{stamp}-{n}.json"), n + 1
+    finite = lambda values: [None if math.isnan(v) else float(v) for v in values]  # noqa: E731
+    record = {"env": config.env, "episodes": cli.episodes, "deterministic": cli.deterministic, "seed": cli.seed,
+              "mean": float(np.nanmean(returns)), "std": float(np.nanstd(returns)),
+              "mean_per_seed": finite(np.nanmean(returns, axis=1)), "returns": [finite(row) for row in returns]}
+    try:
+        write_atomically(path, json.dumps(record, indent=2).encode())
+        print(f"saved: {path}")
+    except WriteError as error:
+        print(f"warning: {error} (the returns above are not saved)", file=sys.stderr)
 
 
 def check_distributed(config: Config, argv: Sequence[str]) -> None:

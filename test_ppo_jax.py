@@ -2403,6 +2403,12 @@ def test_eval_sampled_and_continuous(tmp_path, capsys):
                for seed in (1, 1, 2)]
     np.testing.assert_array_equal(sampled[0], sampled[1])
     assert not np.array_equal(sampled[0], sampled[2])
+    saved = [json.loads(path.read_text()) for path in (tmp_path / "cartpole").glob("eval-*.json")]  # one per --eval
+    assert len(saved) == 3 and all(record["episodes"] == 8 and not record["deterministic"] for record in saved)
+    assert sorted(record["seed"] for record in saved) == [1, 1, 2]
+    for record in saved:
+        np.testing.assert_array_equal(record["returns"], sampled[0 if record["seed"] == 1 else 2])
+        assert record["mean"] == pytest.approx(float(np.mean(record["returns"])))
     assert np.all(sampled[0] >= 8) and np.all(sampled[0] <= 500)  # CartPole: at least ~8 steps, at most 500
 
     P.main(["--env", "Pendulum-v1", "--total-timesteps", "1024", *tiny, "--run-dir", str(tmp_path / "pendulum")])
