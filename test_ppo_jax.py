@@ -2482,6 +2482,53 @@ def test_init_ref_params_and_params_index_from_the_command_line(tmp_path, capsys
     assert not (tmp_path / "x").exists()
 
 
+def read_tensorboard_scalars(directory) -> dict[str, dict[int, float]]:
+    """Every scalar in the event files of `directory`: tag -> {step: value}. The files are TFRecords
+    (a little-endian u64 length, its CRC, an Event protobuf, its CRC), read here record by record."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                if value.WhichOneof("value") == "simple_value":
+                    scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_events_equal_metrics_csv(tmp_path):
+    """--tensorboard: for every seed and every metric, the scalars read back from the event files are
+    metrics.csv's values (float32, exactly) at its env steps, under CleanRL's tags where it has one;
+    NaN rows are left out; charts/SPS once per chunk. A sweep writes a run per point x seed."""
+    run_dir = tmp_path / "run"
+    P.main(["--total-timesteps", str(6 * 4 * 32), "--num-steps", "32", "--hidden-sizes", "8", "--num-seeds", "2",
+            "--checkpoint-every", "2", "--tensorboard", "--quiet", "--table-rows", "0", "--run-dir", str(run_dir)])
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    for seed in range(2):
+        scalars = read_tensorboard_scalars(run_dir / "tb" / f"seed_{seed}")
+        for name in rows[0]:
+            if name in ("update", "seed", "env_steps"):
+                continue
+            tag = P.TENSORBOARD_TAGS.get(name, f"ppo/{name}")
+            expected = {int(row["env_steps"]): np.float32(row[name]) for row in rows
+                        if int(row["seed"]) == seed and np.isfinite(float(row[name]))}
+            assert scalars.get(tag, {}) == expected, (seed, name)
+        assert "charts/episodic_return" in scalars and "losses/clipfrac" in scalars and "ppo/kl" in scalars
+        assert sorted(scalars["charts/SPS"]) == [2 * 4 * 32 * k for k in (1, 2, 3)]  # after each chunk
+    P.main(["--total-timesteps", str(2 * 4 * 32), "--num-steps", "32", "--hidden-sizes", "8", "--quiet",
+            "--sweep-set", "lr=1e-3,3e-3", "--tensorboard", "--run-dir", str(tmp_path / "sweep")])
+    runs = sorted(str(path.parent.relative_to(tmp_path / "sweep" / "tb"))
+                  for path in (tmp_path / "sweep" / "tb").glob("*/*/*/events.out.tfevents.*"))
+    assert runs == ["1-CartPole-v1/lr=0.001/seed_0", "1-CartPole-v1/lr=0.003/seed_0"], runs
+
+
 def test_quiet_and_table_rows(tmp_path, capsys):
     """Without --quiet a log gets one progress line per chunk; --quiet prints none; --table-rows N
     prints N rows of the metrics table, 0 none."""
