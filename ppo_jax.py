@@ -3024,7 +3024,8 @@ class TensorBoard:
     """--tensorboard: one event directory per agent under `root`, named by `names`; add() writes the
     updates not written yet of metrics [agents, updates so far] (with env_steps) at x = env steps,
     skipping NaN (no episode ended, a critic-free value loss), and charts/SPS once per chunk. Each
-    update is one event holding all its scalars (an event per scalar cost ~10x the time)."""
+    update is one event holding all its scalars (an event per scalar cost ~10x the time), written
+    on a worker thread while the next chunk runs; close() waits for it."""
 
     def __init__(self, root: str, names: Sequence[str], config_text: str, written: int = 0):
         try:
@@ -3034,6 +3035,7 @@ class TensorBoard:
         except ImportError:
             raise ConfigError("--tensorboard needs tensorboardX: pip install -r requirements.txt") from None
         self.Summary = Summary
+        self.pool, self.pending = concurrent.futures.ThreadPoolExecutor(1), []
         self.writers = [FileWriter(os.path.join(root, name)) for name in names]
         for writer in self.writers:
             writer.add_summary(summary.text("config", f"```\n{config_text}\n```"), 0)
@@ -3045,20 +3047,28 @@ class TensorBoard:
         if done == self.written:
             return
         sps = (steps[0, done - 1] - (steps[0, self.written - 1] if self.written else 0)) / (now - self.time)
-        tags = {name: TENSORBOARD_TAGS.get(name, f"ppo/{name}") for name in metrics if name != "env_steps"}
-        for agent, writer in enumerate(self.writers):
-            for update in range(self.written, done):
-                values = [self.Summary.Value(tag=tag, simple_value=float(metrics[name][agent, update]))
-                          for name, tag in tags.items() if math.isfinite(metrics[name][agent, update])]
-                if update == done - 1:
-                    values.append(self.Summary.Value(tag="charts/SPS", simple_value=float(sps)))
-                writer.add_summary(self.Summary(value=values), int(steps[agent, update]))
-            writer.flush()
+        new = {name: np.array(values[:, self.written:done]) for name, values in metrics.items()}
+        self.pending.append(self.pool.submit(self.write, new, float(sps)))
         self.written, self.time = done, now
 
+    def write(self, metrics: dict[str, np.ndarray], sps: float) -> None:  # on the worker thread
+        tags = {name: TENSORBOARD_TAGS.get(name, f"ppo/{name}") for name in metrics if name != "env_steps"}
+        updates = metrics["env_steps"].shape[1]
+        for agent, writer in enumerate(self.writers):
+            for update in range(updates):
+                values = [self.Summary.Value(tag=tag, simple_value=float(metrics[name][agent, update]))
+                          for name, tag in tags.items() if math.isfinite(metrics[name][agent, update])]
+                if update == updates - 1:
+                    values.append(self.Summary.Value(tag="charts/SPS", simple_value=sps))
+                writer.add_summary(self.Summary(value=values), int(metrics["env_steps"][agent, update]))
+            writer.flush()
+
     def close(self) -> None:
+        self.pool.shutdown(wait=True)
         for writer in self.writers:
             writer.close()
+        for future in self.pending:
+            future.result()  # a failed write is raised here
 
 
 class Progress:
