@@ -40,7 +40,7 @@ import difflib
 import errno
 import functools
 import gc
-import importlib
+import importlib.util
 import io
 import json
 import math
@@ -3013,6 +3013,9 @@ def clock(seconds: float) -> str:
     return "?" if not math.isfinite(seconds) else f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
+TENSORBOARD_MISSING = "--tensorboard needs tensorboardX, which is not installed: pip install -r requirements.txt"
+
+
 TENSORBOARD_TAGS = {  # CleanRL's names, where it has one; the other metrics go under ppo/
     "episode_return": "charts/episodic_return", "episode_length": "charts/episodic_length",
     "learning_rate": "charts/learning_rate", "policy_loss": "losses/policy_loss", "value_loss": "losses/value_loss",
@@ -3033,7 +3036,7 @@ class TensorBoard:
             from tensorboardX.proto.summary_pb2 import Summary
             from tensorboardX.writer import FileWriter
         except ImportError:
-            raise ConfigError("--tensorboard needs tensorboardX: pip install -r requirements.txt") from None
+            raise ConfigError(TENSORBOARD_MISSING) from None
         self.Summary = Summary
         self.pool, self.pending = concurrent.futures.ThreadPoolExecutor(1), []
         self.writers = [FileWriter(os.path.join(root, name)) for name in names]
@@ -3518,6 +3521,8 @@ def run_command(config: Config, argv: list[str]):
             raise ConfigError("--eval and --resume: give one of them")
         if config.eval:
             return run_eval(config, argv)
+        if config.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+            raise ConfigError(TENSORBOARD_MISSING)
         if config.resume:
             config, start = resume_config(config, argv)
             if writer:

@@ -2502,7 +2502,7 @@ def read_tensorboard_scalars(directory) -> dict[str, dict[int, float]]:
     return scalars
 
 
-def test_tensorboard_events_equal_metrics_csv(tmp_path):
+def test_tensorboard_events_equal_metrics_csv(tmp_path, monkeypatch, capsys):
     """--tensorboard: for every seed and every metric, the scalars read back from the event files are
     metrics.csv's values (float32, exactly) at its env steps, under CleanRL's tags where it has one;
     NaN rows are left out; charts/SPS once per chunk. A sweep writes a run per point x seed."""
@@ -2527,6 +2527,14 @@ def test_tensorboard_events_equal_metrics_csv(tmp_path):
     runs = sorted(str(path.parent.relative_to(tmp_path / "sweep" / "tb"))
                   for path in (tmp_path / "sweep" / "tb").glob("*/*/*/events.out.tfevents.*"))
     assert runs == ["1-CartPole-v1/lr=0.001/seed_0", "1-CartPole-v1/lr=0.003/seed_0"], runs
+    find_spec = P.importlib.util.find_spec  # without tensorboardX: one line, before anything is made
+    monkeypatch.setattr(P.importlib.util, "find_spec", lambda name: None if name == "tensorboardX" else find_spec(name))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        P.main(["--tensorboard", "--run-dir", str(tmp_path / "none")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith("error: --tensorboard needs tensorboardX") and "\n" not in err
+    assert not (tmp_path / "none").exists()
 
 
 def test_quiet_and_table_rows(tmp_path, capsys):
