@@ -362,6 +362,13 @@ class Config:
     mean +- std return over complete episodes, in one jitted program."""
     episodes: int = 100
     """With --eval: complete episodes per seed."""
+    eval_every: int = 0
+    """Every this many updates of a run, evaluate each seed's current policy on --eval-episodes
+    complete episodes, sampled and with its mode, between chunks (chunks end where evaluations
+    fall): metrics.csv's eval_return and eval_return_deterministic (NaN between), the means that
+    --eval --seed SEED gives on that update's policy. 0: never. Single runs, not sweeps."""
+    eval_episodes: int = 10
+    """With --eval-every: complete episodes per seed in each evaluation."""
     deterministic: bool = False
     """With --eval: act with the policy's mode (the argmax; the Gaussian's mean) instead of sampling."""
     render: str | None = None
@@ -1650,7 +1657,8 @@ DISTRIBUTED_FIELDS = ("distributed", "coordinator_address", "num_processes", "pr
 
 RUN_FIELDS = {  # not part of a spec: they change how a run is driven and reported, never its results
     "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "env_devices", "compile_cache",
-    "checkpoint_every", "resume", "eval", "episodes", "deterministic", "render", "quiet", "tensorboard",
+    "checkpoint_every", "resume", "eval", "episodes", "deterministic", "render", "quiet", "tensorboard", "eval_every",
+    "eval_episodes",
     *DISTRIBUTED_FIELDS}
 
 
@@ -1691,6 +1699,7 @@ def check_run_dir_is_new(run_dir: str | None) -> None:
 
 
 FIELD_ZERO = {"table_rows": "no table", "sweep_chunk": "all agents at once", "checkpoint_every": "about 20 chunks",
+              "eval_every": "never",
               "env_devices": "auto"}
 
 
@@ -1708,7 +1717,9 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
         raise ConfigError(f"--activation {config.activation!r}: use tanh or relu")
     if not config.hidden_sizes or min(config.hidden_sizes) < 1:
         raise ConfigError(f"--hidden-sizes {config.hidden_sizes}: give one or more positive widths, e.g. 64 64")
-    for name in ("table_rows", "sweep_chunk", "checkpoint_every", "env_devices"):
+    if config.eval_episodes < 1:
+        raise ConfigError(f"--eval-episodes {config.eval_episodes}: must be a positive integer")
+    for name in ("table_rows", "sweep_chunk", "checkpoint_every", "env_devices", "eval_every"):
         if getattr(config, name) < 0:
             raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be >= 0 (0: {FIELD_ZERO[name]})")
     if config.batch_size % config.num_minibatches:
@@ -1806,8 +1817,12 @@ class Checkpoint:
 
 
 def chunk_length(config: Config) -> int:
-    """Updates per chunk: --checkpoint-every, or about 20 chunks per run."""
-    return config.checkpoint_every or -(-config.num_updates // 20)
+    """Updates per chunk: --checkpoint-every, or about 20 chunks per run; with --eval-every, the
+    largest length no longer that divides it, so that chunks end where evaluations fall."""
+    length = config.checkpoint_every or -(-config.num_updates // 20)
+    if config.eval_every:
+        length = max(d for d in range(1, min(length, config.eval_every) + 1) if config.eval_every % d == 0)
+    return length
 
 
 def with_env_steps(metrics: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
@@ -2089,15 +2104,51 @@ class StopRequests:
             signal.signal(sig, handler)
 
 
-class RunRecorder:
-    """run_batch's on_chunk for a single run: after every chunk of updates, append metrics.csv,
-    apply the NaN guard, save the checkpoint (never a non-finite one), update the progress line,
-    and stop if a signal asked for it. run_dir None (not the writing host): nothing is written."""
+EVAL_METRICS = ("eval_return", "eval_return_deterministic")  # --eval-every's columns
 
-    def __init__(self, config: Config, run_dir: str | None, stop: StopRequests):
+
+class Evaluator:
+    """--eval-every: evaluate's programs (sampled, and the policy's mode), compiled once per run, with
+    the keys --eval --seed SEED uses -> each seed's mean return over --eval-episodes episodes."""
+
+    def __init__(self, config: Config):
+        self.programs = {name: evaluation_program(config, config.eval_episodes, deterministic)
+                         for name, deterministic in zip(EVAL_METRICS, (False, True))}
+        self.keys = jax.random.split(jax.random.PRNGKey(config.seed), config.num_seeds)
+
+    def __call__(self, policies: Policy) -> dict[str, np.ndarray]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a seed none of whose episodes ended: NaN
+            return {name: np.nanmean(np.asarray(program(policies, self.keys)), axis=1)
+                    for name, program in self.programs.items()}
+
+
+class RunRecorder:
+    """run_batch's on_chunk for a single run: after every chunk of updates, evaluate the policies
+    (--eval-every), append metrics.csv, apply the NaN guard, save the checkpoint (never a non-finite
+    one), update the progress line, and stop if a signal asked for it. run_dir None (not the writing
+    host): nothing is written. `evaluations`: those of the run so far (from its checkpoint, resumed)."""
+
+    def __init__(self, config: Config, run_dir: str | None, stop: StopRequests,
+                 evaluations: dict[str, np.ndarray] | None = None):
         self.config, self.run_dir, self.stop = config, run_dir, stop
-        self.done = self.progress = self.diverged = self.tensorboard = None
+        self.done = self.progress = self.diverged = self.tensorboard = self.evaluate = None
         self.last_finite: TrainState | None = None  # the state of the last checkpoint (None: none yet)
+        self.evaluations = {name: np.full((config.num_seeds, config.num_updates), np.nan, np.float32)
+                            for name in EVAL_METRICS} if config.eval_every else {}
+        for name, done in (evaluations or {}).items():
+            self.evaluations[name][:, :done.shape[1]] = done
+
+    def with_evaluations(self, done: int, metrics, state=None):
+        """metrics with the evaluation columns up to update `done` (--eval-every), evaluating first if
+        one falls there and `state` is given -> (metrics, the host state if it was fetched, else None)."""
+        host = None
+        if state is not None and self.config.eval_every and done % self.config.eval_every == 0:
+            host = state()
+            self.evaluate = self.evaluate or Evaluator(self.config)
+            for name, means in self.evaluate(Policy(host.params, host.obs_stats)).items():
+                self.evaluations[name][:, done - 1] = means
+        return {**metrics, **{name: values[:, :done] for name, values in self.evaluations.items()}}, host
 
     def write(self, function, *args) -> None:
         if self.run_dir is not None:
@@ -2114,15 +2165,16 @@ class RunRecorder:
                                                json.dumps(dataclasses.asdict(self.config), indent=2), done)
             if metrics is not None:
                 self.last_finite = state()
-                self.write(append_metrics_csv, csv_path, metrics)
+                self.write(append_metrics_csv, csv_path, self.with_evaluations(done, metrics)[0])
             return False
+        metrics, host = self.with_evaluations(done, metrics, state)
         self.write(append_metrics_csv, csv_path, metrics)
         if self.tensorboard:
             self.tensorboard.add(metrics)
         self.diverged = first_nonfinite(metrics, self.done, guarded_metrics(self.config))
         if self.diverged:
             return True
-        self.last_finite = state()
+        self.last_finite = state() if host is None else host
         metrics_only = {name: value for name, value in metrics.items() if name != "env_steps"}
         self.write(save_checkpoint, self.run_dir, self.config, Checkpoint(self.last_finite, metrics_only))
         now = time.perf_counter()
@@ -2144,8 +2196,12 @@ def train_run(config: Config, run_dir: str | None, start: Checkpoint | None = No
     """A single run (config.num_seeds seeds) into its run directory, chunk by chunk (see
     RunRecorder), from `start` when resumed -> (result, status): "complete", "interrupted by
     SIGINT/SIGTERM" or "diverged at update U, seed S: M = v"."""
+    evaluations = {}
+    if start is not None:  # the evaluations so far (--eval-every) are the recorder's, not run_batch's
+        evaluations = {name: start.metrics[name] for name in EVAL_METRICS if name in start.metrics}
+        start = dataclasses.replace(start, metrics={k: v for k, v in start.metrics.items() if k not in EVAL_METRICS})
     with StopRequests() as stop:
-        recorder = RunRecorder(config, run_dir, stop)
+        recorder = RunRecorder(config, run_dir, stop, evaluations)
         hparams = stack_hparams([config.hparams] * config.num_seeds)
         try:
             result = run_batch(config, seed_keys(config), hparams, config.sweep_chunk, recorder, start=start)
@@ -3020,7 +3076,8 @@ TENSORBOARD_TAGS = {  # CleanRL's names, where it has one; the other metrics go 
     "episode_return": "charts/episodic_return", "episode_length": "charts/episodic_length",
     "learning_rate": "charts/learning_rate", "policy_loss": "losses/policy_loss", "value_loss": "losses/value_loss",
     "entropy": "losses/entropy", "approx_kl": "losses/approx_kl", "clip_frac": "losses/clipfrac",
-    "explained_variance": "losses/explained_variance"}
+    "explained_variance": "losses/explained_variance", "eval_return": "eval/episodic_return",
+    "eval_return_deterministic": "eval/episodic_return_deterministic"}
 
 
 class TensorBoard:
@@ -3169,7 +3226,14 @@ def load_run(run_dir: str, seed: int = 0) -> TrainedPolicy:
 def evaluate(config: Config, policies: Policy, episodes: int, deterministic: bool, seed: int = 0) -> np.ndarray:
     """Returns [seeds, episodes]: for every seed of `policies` (leaves [seeds, ...]), the raw return
     of the first episode of each of `episodes` envs (NaN if it did not end within the episode
-    limit). One jitted program: a while loop until every episode has ended, vmapped over seeds."""
+    limit). One jitted program (evaluation_program): a while loop until every episode has ended,
+    vmapped over seeds; seed s's randomness is key s of split(PRNGKey(seed), seeds)."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(policies.obs_stats.count))
+    return np.asarray(evaluation_program(config, episodes, deterministic)(policies, keys))
+
+
+def evaluation_program(config: Config, episodes: int, deterministic: bool):
+    """evaluate's jitted program: (policies [seeds], keys [seeds]) -> returns [seeds, episodes]."""
     env = VecEnv(config.env, episodes, config.env_params)
     network = make_network(config, env)
 
@@ -3195,9 +3259,7 @@ def evaluate(config: Config, policies: Policy, episodes: int, deterministic: boo
         _, _, _, _, returns, ended, _ = jax.lax.while_loop(unfinished, step, carry)
         return jnp.where(ended, returns, jnp.nan)
 
-    num_seeds = len(policies.obs_stats.count)
-    keys = jax.random.split(jax.random.PRNGKey(seed), num_seeds)
-    return np.asarray(jax.jit(jax.vmap(one_seed), compiler_options=xla_options())(policies, keys))
+    return jax.jit(jax.vmap(one_seed), compiler_options=xla_options())
 
 
 def render_episode(config: Config, policy: Policy, path: str, deterministic: bool, seed: int = 0) -> int:
@@ -3532,6 +3594,9 @@ def run_command(config: Config, argv: list[str]):
                         with contextlib.suppress(OSError):  # (a read-only directory fails at its first write)
                             os.remove(os.path.join(run_dir, name))
         elif config.sweep or config.sweep_set:
+            if config.eval_every:
+                raise ConfigError("--eval-every is for single runs: a sweep reports final returns (a point's "
+                                  "single run evaluates)")
             sweep = load_sweep(config, command_line_overrides(argv, config))
             if writer:
                 check_run_dir_is_new(config.run_dir)

@@ -2537,6 +2537,33 @@ def test_tensorboard_events_equal_metrics_csv(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "none").exists()
 
 
+def test_eval_every_gives_what_eval_gives_on_that_updates_policy(tmp_path, capsys):
+    """--eval-every 2 on a run of 4 updates: its eval_return and eval_return_deterministic at update 2
+    equal the means that --eval (sampled, and --deterministic) gives on a run stopped there (the same
+    updates: no lr annealing), NaN where no evaluation falls; the columns reach TensorBoard; with a
+    sweep it is one line."""
+    tiny = ["--num-steps", "32", "--hidden-sizes", "8", "--num-seeds", "2", "--no-anneal-lr", "--quiet",
+            "--table-rows", "0"]
+    P.main(tiny + ["--total-timesteps", str(4 * 4 * 32), "--eval-every", "2", "--eval-episodes", "5", "--tensorboard",
+                   "--run-dir", str(tmp_path / "every")])
+    P.main(tiny + ["--total-timesteps", str(2 * 4 * 32), "--run-dir", str(tmp_path / "two")])
+    sampled = P.main(["--eval", str(tmp_path / "two"), "--episodes", "5"])
+    deterministic = P.main(["--eval", str(tmp_path / "two"), "--episodes", "5", "--deterministic"])
+    with open(tmp_path / "every" / "metrics.csv") as f:
+        rows = {(int(row["update"]), int(row["seed"])): row for row in csv.DictReader(f)}
+    for seed in range(2):
+        assert np.float32(rows[2, seed]["eval_return"]) == np.float32(np.nanmean(sampled[seed]))
+        assert np.float32(rows[2, seed]["eval_return_deterministic"]) == np.float32(np.nanmean(deterministic[seed]))
+        assert np.isfinite(float(rows[4, seed]["eval_return"]))
+        assert np.isnan(float(rows[1, seed]["eval_return"])) and np.isnan(float(rows[3, seed]["eval_return"]))
+        scalars = read_tensorboard_scalars(tmp_path / "every" / "tb" / f"seed_{seed}")
+        assert sorted(scalars["eval/episodic_return_deterministic"]) == [2 * 4 * 32, 4 * 4 * 32]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        P.main(["--sweep-set", "lr=1e-3,3e-3", "--eval-every", "2"])
+    assert "--eval-every is for single runs" in capsys.readouterr().err
+
+
 def test_quiet_and_table_rows(tmp_path, capsys):
     """Without --quiet a log gets one progress line per chunk; --quiet prints none; --table-rows N
     prints N rows of the metrics table, 0 none."""
