@@ -2541,9 +2541,11 @@ def best_first(values: np.ndarray) -> np.ndarray:
 
 
 def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[list[str]], str]:
-    """summary.csv rows and the printed table: mean +- std over seeds per point, best first."""
+    """summary.csv rows and the printed table: mean +- std over seeds per point, and the final
+    return's interquartile mean with its 95 % bootstrap interval (iqm_and_ci), best first."""
     rows = [["static", "env", "point", "label"] + sweep.swept +
-            ["final_mean", "final_std", "auc_mean", "auc_std", "num_seeds"]]
+            ["final_mean", "final_std", "final_iqm", "final_ci_low", "final_ci_high", "auc_mean", "auc_std",
+             "num_seeds"]]
     text = []
     for i, setting in enumerate(settings):
         final, auc = setting.final(), setting.auc()
@@ -2556,14 +2558,17 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[li
                     f"{result.run_seconds:.1f} s, {result.steps_per_second:,.0f} agent-steps/s"
                     + (f", random policy {setting.random_return:.1f}" if setting.random_return is not None else ""))
         width = max(len(label) for label in sweep.labels)
-        text.append(f"  rank  {'point'.ljust(width)}  {'final return':>18}  {'area under curve':>18}")
+        text.append(f"  rank  {'point'.ljust(width)}  {'final return':>18}  {'IQM [95 % CI]':>24}  "
+                    f"{'area under curve':>18}")
         for rank, p in enumerate(order):
+            iqm, low, high = iqm_and_ci(final[p])
             text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  "
-                        f"{f'{final_mean[p]:.1f} ± {final_std[p]:.1f}':>18}  {f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
+                        f"{f'{final_mean[p]:.1f} ± {final_std[p]:.1f}':>18}  {f'{iqm:.1f} [{low:.1f}, {high:.1f}]':>24}  "
+                        f"{f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
             hparams = sweep.hparams(setting.config)[p]
             rows.append([setting_name(i, setting.config), setting.config.env, str(p), sweep.labels[p]] +
                         [format_value(getattr(hparams, n)) for n in sweep.swept] +
-                        [f"{v:.6g}" for v in (final_mean[p], final_std[p], auc_mean[p], auc_std[p])] +
+                        [f"{v:.6g}" for v in (final_mean[p], final_std[p], iqm, low, high, auc_mean[p], auc_std[p])] +
                         [str(setting.config.num_seeds)])
     if sweep.normalized_score and settings:
         scores = normalized_scores(settings)
@@ -2571,6 +2576,21 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[li
         for p in best_first(scores):
             text.append(f"  {scores[p]:6.3f}  {sweep.labels[p]}")
     return rows, "\n".join(text)
+
+
+def iqm_and_ci(values: np.ndarray, reps: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """One point's final returns over seeds (NaN, a diverged seed, left out) -> (interquartile mean,
+    the 2.5 and 97.5 percentiles of its bootstrap over the seeds). The IQM as rliable defines it
+    (Agarwal et al. 2021): the mean of what remains after cutting 25 % of the values at each end
+    (scipy's trim_mean); `reps` resamplings of the seeds, with a fixed seed: reproducible."""
+    from scipy import stats
+
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return math.nan, math.nan, math.nan
+    resampled = finite[np.random.default_rng(seed).integers(0, finite.size, (reps, finite.size))]
+    low, high = np.percentile(stats.trim_mean(resampled, 0.25, axis=1), [2.5, 97.5])
+    return float(stats.trim_mean(finite, 0.25)), float(low), float(high)
 
 
 def mean_and_ci(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
