@@ -2136,8 +2136,8 @@ class RunRecorder:
         self.last_finite: TrainState | None = None  # the state of the last checkpoint (None: none yet)
         self.evaluations = {name: np.full((config.num_seeds, config.num_updates), np.nan, np.float32)
                             for name in EVAL_METRICS} if config.eval_every else {}
-        for name, done in (evaluations or {}).items():
-            self.evaluations[name][:, :done.shape[1]] = done
+        for name, values in (evaluations or {}).items():
+            self.evaluations[name][:, :values.shape[1]] = values
 
     def with_evaluations(self, done: int, metrics, state=None):
         """metrics with the evaluation columns up to update `done` (--eval-every), evaluating first if
