@@ -1831,6 +1831,11 @@ def with_env_steps(metrics: dict[str, np.ndarray], batch_size: int) -> dict[str,
     return {**metrics, "env_steps": np.broadcast_to(updates * batch_size, (num_agents, num_updates))}
 
 
+def config_json(config: Config) -> str:
+    """The resolved Config as config.json holds it (and TensorBoard shows it)."""
+    return json.dumps(dataclasses.asdict(config), indent=2)
+
+
 def seed_keys(config: Config):
     return jax.random.split(jax.random.PRNGKey(config.seed), config.num_seeds)
 
@@ -2114,7 +2119,7 @@ class Evaluator:
     def __init__(self, config: Config):
         self.programs = {name: evaluation_program(config, config.eval_episodes, deterministic)
                          for name, deterministic in zip(EVAL_METRICS, (False, True))}
-        self.keys = jax.random.split(jax.random.PRNGKey(config.seed), config.num_seeds)
+        self.keys = seed_keys(config)
 
     def __call__(self, policies: Policy) -> dict[str, np.ndarray]:
         with warnings.catch_warnings():
@@ -2162,7 +2167,7 @@ class RunRecorder:
             if self.config.tensorboard and self.run_dir is not None:
                 self.tensorboard = TensorBoard(os.path.join(self.run_dir, "tb"),
                                                [f"seed_{i}" for i in range(self.config.num_seeds)],
-                                               json.dumps(dataclasses.asdict(self.config), indent=2), done)
+                                               self.config, done)
             if metrics is not None:
                 self.last_finite = state()
                 self.write(append_metrics_csv, csv_path, self.with_evaluations(done, metrics)[0])
@@ -2738,7 +2743,7 @@ def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0, quiet: bool = Fal
         if tensorboard and jax.process_index() == 0:  # a run per point x seed, named by the point's values
             names = [f"{i + 1}-{config.env}/{label.replace(', ', ',')}/seed_{seed}" for label in sweep.labels
                      for seed in range(config.num_seeds)]
-            board = TensorBoard(os.path.join(run_dir, "tb"), names, json.dumps(dataclasses.asdict(config), indent=2))
+            board = TensorBoard(os.path.join(run_dir, "tb"), names, config)
 
         def report(done, metrics, state, config=config, i=i, done_before=done_before, agents=agents, board=board):
             if board and metrics is not None:
@@ -3107,7 +3112,7 @@ class TensorBoard:
     update is one event holding all its scalars (an event per scalar cost ~10x the time), written
     on a worker thread while the next chunk runs; close() waits for it."""
 
-    def __init__(self, root: str, names: Sequence[str], config_text: str, written: int = 0):
+    def __init__(self, root: str, names: Sequence[str], config: Config, written: int = 0):
         try:
             from tensorboardX import summary
             from tensorboardX.proto.summary_pb2 import Summary
@@ -3118,7 +3123,7 @@ class TensorBoard:
         self.pool, self.pending = concurrent.futures.ThreadPoolExecutor(1), []
         self.writers = [FileWriter(os.path.join(root, name)) for name in names]
         for writer in self.writers:
-            writer.add_summary(summary.text("config", f"```\n{config_text}\n```"), 0)
+            writer.add_summary(summary.text("config", f"```\n{config_json(config)}\n```"), 0)
         self.written, self.time = written, time.perf_counter()
 
     def add(self, metrics: dict[str, np.ndarray]) -> None:
@@ -3626,7 +3631,7 @@ def run_command(config: Config, argv: list[str]):
             validate(config, check_run_dir=writer)
             if writer:
                 run_dir = new_run_dir(config.run_dir, config.env, "config.json",
-                                      json.dumps(dataclasses.asdict(config), indent=2))
+                                      config_json(config))
         refused = None
     except ConfigError as error:
         refused = error
