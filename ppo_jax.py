@@ -926,11 +926,8 @@ def estimate_advantages(params, traj: Transition, config: Config, env: VecEnv, n
     unless --no-bootstrap-truncation. Critic-free (--adv-estimator): group_advantages, no targets."""
     if config.adv_estimator != "gae":  # groups may span the devices an agent's envs are sharded over
         rewards = gather_envs(traj.reward, env.shards)
-        advantages = group_advantages(rewards, config.adv_estimator, config.group_size or config.num_envs,
-                                      fixed_episode_length(config.env, config.env_params))
-        if env.shards > 1:
-            first = jax.lax.axis_index(ENV_AXIS) * env.num_envs
-            advantages = jax.lax.dynamic_slice_in_dim(advantages, first, env.num_envs, axis=1)
+        advantages = env.own(group_advantages(rewards, config.adv_estimator, config.group_size or config.num_envs,
+                                              fixed_episode_length(config.env, config.env_params)))
         return advantages, jnp.zeros_like(advantages)
     steps = config.num_steps * env.num_envs  # this device's envs
 
