@@ -381,6 +381,17 @@ class Config:
     seed in RUN_DIR/tb/seed_<i> (a sweep: RUN_DIR/tb/<setting>/<point>/seed_<i>), CleanRL's tag names
     where it has one (charts/episodic_return, losses/value_loss, ...), ppo/<metric> for the rest, and
     the config as text. View with `tensorboard --logdir RUN_DIR/tb`."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases (pip install -r requirements-wandb.txt): one W&B run per seed (a
+    sweep: per point x seed) with the config, the same scalars as --tensorboard at step = env steps,
+    and at the end curve.png and summary.json. WANDB_MODE=offline keeps them in RUN_DIR/wandb/."""
+    wandb_entity: str | None = None
+    """With --wandb-project: the W&B team or user (default: yours)."""
+    wandb_group: str | None = None
+    """With --wandb-project: the W&B group of the runs (default: the experiment name)."""
+    exp_name: str | None = None
+    """With --wandb-project: the experiment name that prefixes the W&B run names (default: the run
+    directory's name)."""
     hparams: Annotated[HParams, tyro.conf.OmitArgPrefixes] = HParams()
     """Traced hyperparameters: the point that a single run uses."""
 
@@ -1655,7 +1666,7 @@ DISTRIBUTED_FIELDS = ("distributed", "coordinator_address", "num_processes", "pr
 RUN_FIELDS = {  # not part of a spec: they change how a run is driven and reported, never its results
     "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "env_devices", "compile_cache",
     "checkpoint_every", "resume", "eval", "episodes", "deterministic", "render", "quiet", "tensorboard", "eval_every",
-    "eval_episodes",
+    "eval_episodes", "wandb_project", "wandb_entity", "wandb_group", "exp_name",
     *DISTRIBUTED_FIELDS}
 
 
@@ -2132,9 +2143,13 @@ class RunRecorder:
     host): nothing is written. `evaluations`: those of the run so far (from its checkpoint, resumed)."""
 
     def __init__(self, config: Config, run_dir: str | None, stop: StopRequests,
-                 evaluations: dict[str, np.ndarray] | None = None):
+                 evaluations: dict[str, np.ndarray] | None = None, written: int = 0):
         self.config, self.run_dir, self.stop = config, run_dir, stop
-        self.done = self.progress = self.diverged = self.tensorboard = self.evaluate = None
+        self.done = self.progress = self.diverged = self.evaluate = None
+        self.trackers: list[Tracker] = []  # --tensorboard, --wandb-project: from update `written` on
+        if run_dir is not None:
+            self.trackers = trackers(run_dir, [f"seed_{i}" for i in range(config.num_seeds)],
+                                     [config] * config.num_seeds, written)
         self.last_finite: TrainState | None = None  # the state of the last checkpoint (None: none yet)
         self.evaluations = {name: np.full((config.num_seeds, config.num_updates), np.nan, np.float32)
                             for name in EVAL_METRICS} if config.eval_every else {}
@@ -2160,19 +2175,17 @@ class RunRecorder:
         csv_path = None if self.run_dir is None else os.path.join(self.run_dir, "metrics.csv")
         if self.done is None:  # compiled; the run starts (when resumed: fill rows a kill may have cut off)
             self.done, self.time = done, time.perf_counter()
+            for tracker in self.trackers:
+                tracker.started()
             self.progress = Progress(self.config.num_updates, done, self.config.quiet or jax.process_index() > 0)
-            if self.config.tensorboard and self.run_dir is not None:
-                self.tensorboard = TensorBoard(os.path.join(self.run_dir, "tb"),
-                                               [f"seed_{i}" for i in range(self.config.num_seeds)],
-                                               self.config, done)
             if metrics is not None:
                 self.last_finite = state()
                 self.write(append_metrics_csv, csv_path, self.with_evaluations(done, metrics)[0])
             return False
         metrics, host = self.with_evaluations(done, metrics, state)
         self.write(append_metrics_csv, csv_path, metrics)
-        if self.tensorboard:
-            self.tensorboard.add(metrics)
+        for tracker in self.trackers:
+            tracker.add(metrics)
         self.diverged = first_nonfinite(metrics, self.done, guarded_metrics(self.config))
         if self.diverged:
             return True
@@ -2196,26 +2209,31 @@ class RunRecorder:
 
 def train_run(config: Config, run_dir: str | None, start: Checkpoint | None = None) -> tuple[RunResult, str]:
     """A single run (config.num_seeds seeds) into its run directory, chunk by chunk (see
-    RunRecorder), from `start` when resumed -> (result, status): "complete", "interrupted by
-    SIGINT/SIGTERM" or "diverged at update U, seed S: M = v"."""
+    RunRecorder), from `start` when resumed, then its outputs (write_outputs) -> (result, status):
+    "complete", "interrupted by SIGINT/SIGTERM" or "diverged at update U, seed S: M = v"."""
     evaluations = {}
     if start is not None:  # the evaluations so far (--eval-every) are the recorder's, not run_batch's
         evaluations = {name: start.metrics[name] for name in EVAL_METRICS if name in start.metrics}
         start = dataclasses.replace(start, metrics={k: v for k, v in start.metrics.items() if k not in EVAL_METRICS})
     with StopRequests() as stop:
-        recorder = RunRecorder(config, run_dir, stop, evaluations)
+        recorder = RunRecorder(config, run_dir, stop, evaluations, start.updates_done if start else 0)
         hparams = stack_hparams([config.hparams] * config.num_seeds)
+        summaries = None
         try:
             result = run_batch(config, seed_keys(config), hparams, config.sweep_chunk, recorder, start=start)
+            recorder.progress.end()
+            if recorder.diverged:  # keep the last finite state: the final params are not worth having
+                result, status = dataclasses.replace(result, state=recorder.last_finite), f"diverged at {recorder.diverged}"
+            elif result.metrics["env_steps"].shape[1] < config.num_updates:
+                status = f"interrupted by {signal.Signals(stop.signal).name}"
+            else:
+                status = "complete"
+            if run_dir is not None:
+                summaries = write_outputs(run_dir, config, result, status)
         finally:
-            if recorder.tensorboard:
-                recorder.tensorboard.close()
-    recorder.progress.end()
-    if recorder.diverged:  # keep the last finite state: the final params are not worth having
-        return dataclasses.replace(result, state=recorder.last_finite), f"diverged at {recorder.diverged}"
-    if result.metrics["env_steps"].shape[1] < config.num_updates:
-        return result, f"interrupted by {signal.Signals(stop.signal).name}"
-    return result, "complete"
+            for tracker in recorder.trackers:
+                tracker.close(summaries, run_dir and os.path.join(run_dir, "curve.png"))
+    return result, status
 
 
 # ================================================================================================
@@ -2449,6 +2467,9 @@ class SweepSetting:
         final = final_return(self.result.metrics).reshape(-1, self.config.num_seeds)
         return np.where(self.diverged(), np.nan, final)
 
+    def final_iqm(self) -> np.ndarray:  # [points]: the IQM of final() over the seeds that did not diverge
+        return np.array([iqm_and_ci(final, reps=1)[0] for final in self.final()])
+
     def auc(self) -> np.ndarray:  # [points, seeds]: mean return over all updates (area under the curve / steps)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no episode ended
@@ -2513,28 +2534,61 @@ def append_results_csv(path: str, sweep: Sweep, i: int, setting: SweepSetting) -
 
 
 def normalized_scores(settings: list[SweepSetting]) -> np.ndarray:
-    """Per point, averaged over static settings: (final - random) / (best point - random)."""
-    scores = [(np.nanmean(setting.final(), axis=1) - setting.random_return) / score_unit(setting) for setting in settings]
-    return np.nanmean(scores, axis=0)
+    """Each run's final return as a normalised score, [points, seeds, settings]: (final - random) /
+    score_unit per static setting; a diverged run scores 0, the random policy's level (leaving it
+    out would flatter the point); the seeds that every setting has."""
+    seeds = min(setting.config.num_seeds for setting in settings)
+    return np.stack([np.nan_to_num((setting.final()[:, :seeds] - setting.random_return) / score_unit(setting), nan=0.0)
+                     for setting in settings], axis=-1)
 
 
 def score_unit(setting: SweepSetting) -> float:
     """The normalised score's unit in a setting: its best point's mean final return above random."""
-    return np.nanmax(np.nanmean(setting.final(), axis=1)) - setting.random_return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a point whose every seed diverged: NaN, not the best
+        return np.nanmax(np.nanmean(setting.final(), axis=1)) - setting.random_return
 
 
-def normalized_score_ci(settings: list[SweepSetting]) -> np.ndarray:
-    """Per point: the half-width of the 95 % confidence interval of normalized_scores, from each
-    setting's spread over seeds (the settings independent; Student's t with the fewest seeds' dof)."""
-    variance, seeds = 0.0, []
-    for setting in settings:
-        final = setting.final()
-        n = np.sum(np.isfinite(final), axis=1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # one seed: no variance (NaN)
-            variance = variance + np.nanvar(final, axis=1, ddof=1) / np.maximum(n, 1) / score_unit(setting) ** 2
-        seeds.append(n)
-    return t_interval(np.sqrt(variance) / len(settings), np.min(seeds, axis=0))
+AGGREGATES = ("iqm", "median", "mean", "optimality_gap")
+
+
+def aggregate_scores(scores: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """rliable's aggregates (Agarwal et al. 2021) of each point's scores [points, seeds, settings]:
+    the interquartile mean of all runs, the median and mean over settings of the mean over seeds,
+    and the optimality gap (1 - mean of min(score, 1)), each with the 95 % percentile interval of a
+    stratified bootstrap (seeds resampled within each setting), seeded -> (estimates [points, 4],
+    intervals [points, 2, 4]), in AGGREGATES' order."""
+    from rliable import library, metrics
+
+    def aggregates(x):
+        return np.array([metrics.aggregate_iqm(x), metrics.aggregate_median(x), metrics.aggregate_mean(x),
+                         metrics.aggregate_optimality_gap(x)])
+
+    with numpy_seeded(seed):
+        estimates, intervals = library.get_interval_estimates(dict(enumerate(scores)), aggregates, reps=reps)
+    return np.array([estimates[p] for p in range(len(scores))]), np.array([intervals[p] for p in range(len(scores))])
+
+
+@contextlib.contextmanager
+def numpy_seeded(seed: int):
+    """NumPy's global generator seeded, and restored after: rliable's stratified bootstrap draws its
+    resamples from it (the random_state it takes does not reach them)."""
+    state = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        yield
+    finally:
+        np.random.set_state(state)
+
+
+def performance_profiles(scores: np.ndarray, taus: np.ndarray, reps: int = 1000, seed: int = 0):
+    """rliable's performance profile of each point: the fraction of its runs scoring above each tau,
+    with 95 % stratified-bootstrap bands -> (profiles [points, taus], bands [points, 2, taus])."""
+    from rliable import library
+
+    with numpy_seeded(seed):
+        profiles, bands = library.create_performance_profile(dict(enumerate(scores)), taus, reps=reps)
+    return np.array([profiles[p] for p in range(len(scores))]), np.array([bands[p] for p in range(len(scores))])
 
 
 def best_first(values: np.ndarray) -> np.ndarray:
@@ -2543,8 +2597,9 @@ def best_first(values: np.ndarray) -> np.ndarray:
 
 
 def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[list[str]], str]:
-    """summary.csv rows and the printed table: mean +- std over seeds per point, and the final
-    return's interquartile mean with its 95 % bootstrap interval (iqm_and_ci), best first."""
+    """summary.csv rows and the printed table: per point, the final return's interquartile mean
+    over seeds with its 95 % bootstrap interval (iqm_and_ci; summary.csv also mean +- std), and the
+    area under the curve, best IQM first."""
     rows = [["static", "env", "point", "label"] + sweep.swept +
             ["final_mean", "final_std", "final_iqm", "final_ci_low", "final_ci_high", "auc_mean", "auc_std",
              "num_seeds"]]
@@ -2553,46 +2608,65 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[li
         final, auc = setting.final(), setting.auc()
         final_mean, final_std = np.nanmean(final, 1), np.nanstd(final, 1)
         auc_mean, auc_std = np.nanmean(auc, 1), np.nanstd(auc, 1)
-        order = best_first(final_mean)
+        iqms = [iqm_and_ci(final[p]) for p in range(len(sweep.points))]
         result = setting.result
         text.append(f"\n{setting_name(i, setting.config)}: {len(sweep.points)} points x {setting.config.num_seeds} "
                     f"seeds, compile {result.lower_seconds + result.compile_seconds:.1f} s, run "
                     f"{result.run_seconds:.1f} s, {result.steps_per_second:,.0f} agent-steps/s"
                     + (f", random policy {setting.random_return:.1f}" if setting.random_return is not None else ""))
         width = max(len(label) for label in sweep.labels)
-        text.append(f"  rank  {'point'.ljust(width)}  {'final return':>18}  {'IQM [95 % CI]':>24}  "
+        text.append(f"  rank  {'point'.ljust(width)}  {'final return IQM [95 % CI]':>28}  {'diverged':>8}  "
                     f"{'area under curve':>18}")
-        for rank, p in enumerate(order):
-            iqm, low, high = iqm_and_ci(final[p])
-            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  "
-                        f"{f'{final_mean[p]:.1f} ± {final_std[p]:.1f}':>18}  {f'{iqm:.1f} [{low:.1f}, {high:.1f}]':>24}  "
-                        f"{f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
+        for rank, p in enumerate(best_first(np.array([iqm for iqm, _, _ in iqms]))):
+            iqm, low, high = iqms[p]
+            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  {f'{iqm:.1f} [{low:.1f}, {high:.1f}]':>28}  "
+                        f"{f'{np.isnan(final[p]).sum()}/{final.shape[1]}':>8}  {f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
             hparams = sweep.hparams(setting.config)[p]
             rows.append([setting_name(i, setting.config), setting.config.env, str(p), sweep.labels[p]] +
                         [format_value(getattr(hparams, n)) for n in sweep.swept] +
                         [f"{v:.6g}" for v in (final_mean[p], final_std[p], iqm, low, high, auc_mean[p], auc_std[p])] +
                         [str(setting.config.num_seeds)])
-    if sweep.normalized_score and settings:
-        scores = normalized_scores(settings)
-        text.append(f"\nnormalised score (random policy = 0, best point = 1), mean over {len(settings)} setting(s):")
-        for p in best_first(scores):
-            text.append(f"  {scores[p]:6.3f}  {sweep.labels[p]}")
     return rows, "\n".join(text)
+
+
+def summarize_scores(sweep: Sweep, settings: list[SweepSetting], scores: np.ndarray, estimates: np.ndarray,
+                     intervals: np.ndarray) -> tuple[list[list[str]], str]:
+    """aggregates.csv rows and the printed table of the normalised scores' aggregates, best IQM first."""
+    rows = [["point", "label"] + [f"{name}{end}" for name in AGGREGATES for end in ("", "_ci_low", "_ci_high")]
+            + ["runs", "settings"]]
+    text = [f"\nnormalised score (random policy 0, best point 1) over {len(settings)} setting(s) x {scores.shape[1]} "
+            "seeds: rliable's aggregates, 95 % stratified-bootstrap CIs (a diverged run scores 0; optimality gap: "
+            "lower is better)",
+            "  " + "  ".join(f"{name.replace('_', ' ').replace('iqm', 'IQM'):>21}" for name in AGGREGATES) + "  point"]
+    for p in best_first(estimates[:, 0]):
+        cells = [f"{estimates[p, m]:.3f} [{intervals[p, 0, m]:.2f}, {intervals[p, 1, m]:.2f}]"
+                 for m in range(len(AGGREGATES))]
+        text.append("  " + "  ".join(f"{cell:>21}" for cell in cells) + f"  {sweep.labels[p]}")
+        rows.append([str(p), sweep.labels[p]] + [f"{v:.6g}" for m in range(len(AGGREGATES))
+                                                 for v in (estimates[p, m], intervals[p, 0, m], intervals[p, 1, m])]
+                    + [str(scores.shape[1] * scores.shape[2]), str(scores.shape[2])])
+    return rows, "\n".join(text)
+
+
+def iqm(values: np.ndarray, axis=None):
+    """The interquartile mean as rliable defines it: the mean of what remains after cutting 25 % of
+    the values at each end (scipy's trim_mean)."""
+    from scipy import stats
+
+    return stats.trim_mean(values, 0.25, axis=axis)
 
 
 def iqm_and_ci(values: np.ndarray, reps: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
     """One point's final returns over seeds (NaN, a diverged seed, left out) -> (interquartile mean,
-    the 2.5 and 97.5 percentiles of its bootstrap over the seeds). The IQM as rliable defines it
-    (Agarwal et al. 2021): the mean of what remains after cutting 25 % of the values at each end
-    (scipy's trim_mean); `reps` resamplings of the seeds, with a fixed seed: reproducible."""
-    from scipy import stats
-
+    the 2.5 and 97.5 percentiles of its bootstrap over the seeds): rliable's IQM and percentile
+    interval for one task, vectorised (rliable's loop takes ~100x longer); `reps` resamplings of the
+    seeds with a fixed seed: reproducible."""
     finite = values[np.isfinite(values)]
     if finite.size == 0:
         return math.nan, math.nan, math.nan
     resampled = finite[np.random.default_rng(seed).integers(0, finite.size, (reps, finite.size))]
-    low, high = np.percentile(stats.trim_mean(resampled, 0.25, axis=1), [2.5, 97.5])
-    return float(stats.trim_mean(finite, 0.25)), float(low), float(high)
+    low, high = np.percentile(iqm(resampled, axis=1), [2.5, 97.5])
+    return float(iqm(finite)), float(low), float(high)
 
 
 def mean_and_ci(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -2674,7 +2748,7 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
     for ax, (i, setting) in zip(axes[0], enumerate(settings)):
         steps = setting.result.metrics["env_steps"][0]
         returns = setting.per_point("episode_return")  # [points, seeds, updates]
-        ranking = best_first(np.nanmean(setting.final(), axis=1))
+        ranking = best_first(setting.final_iqm())
         for rank, p in reversed(list(enumerate(ranking))):  # the best last: on top
             plot_seeds(ax, steps, returns[p], sweep.labels[p], colors[p], band=points <= 4 or rank < 3,
                        lw=2.2 if rank == 0 else 1.1, alpha=1.0 if rank < 3 else 0.6, zorder=3 if rank == 0 else 2)
@@ -2697,19 +2771,46 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
         fig.tight_layout()
         save_figure(fig, os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
 
-    if sweep.normalized_score:
-        scores, half = normalized_scores(settings), normalized_score_ci(settings)
-        order = best_first(scores)  # as the printed table ranks them
-        fig, ax = plt.subplots(figsize=(6.5, 0.35 * points + 1.2))
-        rows = np.arange(points)[::-1]  # the best at the top
-        ax.barh(rows, scores[order], xerr=half[order], color=colors[order], capsize=3)
-        ax.set_yticks(rows, [sweep.labels[p] for p in order], fontsize=7)
-        ax.axvline(0, color="gray", lw=0.8)
-        ax.set(xlabel=f"normalised score (random 0, best point 1), mean over {n} setting(s), 95 % CI",
-               title=sweep.name)
-        ax.grid(alpha=0.3, axis="x")
-        fig.tight_layout()
-        save_figure(fig, os.path.join(run_dir, "normalized.png"), dpi=110)
+
+def plot_scores(run_dir: str, sweep: Sweep, scores: np.ndarray, estimates: np.ndarray, intervals: np.ndarray,
+                profiled: int = 5) -> None:
+    """normalized.png: rliable's interval-estimate figure, a panel per aggregate, a row per point (the
+    best IQM at the top); performance_profile.png: the profiles of the best `profiled` points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rliable import plot_utils
+
+    order = best_first(estimates[:, 0])[::-1]  # rliable draws its first row at the bottom
+    labels = [sweep.labels[p] for p in order]
+    colors = dict(zip(sweep.labels, plt.cm.viridis(np.linspace(0, 0.95, len(sweep.points)))))
+    height = max(1.5, 0.3 * len(labels))
+    fig, axes = plot_utils.plot_interval_estimates(
+        {sweep.labels[p]: estimates[p] for p in order}, {sweep.labels[p]: intervals[p] for p in order},
+        [name.replace("_", " ").replace("iqm", "IQM") for name in AGGREGATES], algorithms=labels, colors=colors,
+        xlabel="", subfigure_width=3.0, row_height=height / len(labels))
+    for ax in axes:  # rliable's sizes are for slides
+        ax.tick_params(labelsize=8)
+        ax.title.set_fontsize(10)
+    fig.text(0.4, -0.4 / height, f"normalised score (random policy 0, best point 1) over {scores.shape[2]} "
+             f"setting(s) x {scores.shape[1]} seeds, 95 % stratified-bootstrap CIs", ha="center", fontsize=9)
+    save_figure(fig, os.path.join(run_dir, "normalized.png"), dpi=110)
+
+    best = best_first(estimates[:, 0])[:profiled]
+    taus = np.linspace(min(0.0, scores.min()), max(1.0, scores.max()), 41)
+    profiles, bands = performance_profiles(scores[best], taus)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    plot_utils.plot_performance_profiles(
+        {sweep.labels[p]: profile for p, profile in zip(best, profiles)}, taus,
+        {sweep.labels[p]: band for p, band in zip(best, bands)}, colors=colors, ax=ax,
+        xlabel=r"normalised score $\tau$", ylabel=r"fraction of runs with score > $\tau$", labelsize="medium",
+        ticklabelsize="small")
+    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title(f"{sweep.name}: the best {len(best)} point(s), {scores.shape[1] * scores.shape[2]} runs each",
+                 fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, os.path.join(run_dir, "performance_profile.png"), dpi=110)
 
 
 def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> str:
@@ -2718,17 +2819,29 @@ def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]
         warnings.simplefilter("ignore", RuntimeWarning)
         append_results_csv(os.path.join(run_dir, "results.csv"), sweep, len(settings) - 1, settings[-1])
         rows, text = summarize_sweep(sweep, settings)
-        table = io.StringIO()
-        csv.writer(table).writerows(rows)
-        write_atomically(os.path.join(run_dir, "summary.csv"), table.getvalue().encode())
+        write_csv(os.path.join(run_dir, "summary.csv"), rows)
         plot(plot_sweep, run_dir, sweep, settings)
+        if sweep.normalized_score:
+            scores = normalized_scores(settings)
+            estimates, intervals = aggregate_scores(scores)
+            rows, score_text = summarize_scores(sweep, settings, scores, estimates, intervals)
+            write_csv(os.path.join(run_dir, "aggregates.csv"), rows)
+            plot(plot_scores, run_dir, sweep, scores, estimates, intervals)
+            text += "\n" + score_text
     return text
 
 
+def write_csv(path: str, rows: list[list[str]]) -> None:
+    table = io.StringIO()
+    csv.writer(table).writerows(rows)
+    write_atomically(path, table.getvalue().encode())
+
+
 def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0, quiet: bool = False,
-              tensorboard: bool = False) -> list[SweepSetting]:
+              flags: Config | None = None) -> list[SweepSetting]:
     """Each static setting: one compile, all points x seeds as one batch; outputs written as each
-    setting finishes, so an interrupted sweep keeps what it has."""
+    setting finishes, so an interrupted sweep keeps what it has. `flags`: the command line's
+    (its trackers)."""
     total = sum(len(sweep.points) * config.num_seeds * config.num_updates for config in sweep.configs)
     progress, settings, done_before = Progress(total, quiet=quiet), [], 0
     for i, config in enumerate(sweep.configs):
@@ -2736,27 +2849,34 @@ def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0, quiet: bool = Fal
         hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
         agents = len(sweep.points) * config.num_seeds
         progress.show(done_before, f"setting {setting_name(i, config)}: compiling")
-        board = None
-        if tensorboard and jax.process_index() == 0:  # a run per point x seed, named by the point's values
+        tracked = []
+        if jax.process_index() == 0:  # a tracker's run per point x seed, named by the point's values
             names = [f"{i + 1}-{config.env}/{label.replace(', ', ',')}/seed_{seed}" for label in sweep.labels
                      for seed in range(config.num_seeds)]
-            board = TensorBoard(os.path.join(run_dir, "tb"), names, config)
+            tracked = trackers(run_dir, names, [dataclasses.replace(config, hparams=h) for h in sweep.hparams(config)
+                                                for _ in range(config.num_seeds)], flags=flags)
 
-        def report(done, metrics, state, config=config, i=i, done_before=done_before, agents=agents, board=board):
-            if board and metrics is not None:
-                board.add(metrics)
+        def report(done, metrics, state, config=config, i=i, done_before=done_before, agents=agents):
+            for tracker in tracked:
+                if metrics is None:  # compiled: the run starts
+                    tracker.started()
+                else:
+                    tracker.add(metrics)
             progress.show(done_before + done * agents,
                           f"setting {setting_name(i, config)}: update {done}/{config.num_updates} x {agents} agents")
 
+        summaries = None
         try:
             result = run_batch(config, keys, hparams, chunk_size, report)
+            progress.end()
+            random_return = random_policy_return(config) if sweep.normalized_score else None
+            settings.append(SweepSetting(config, result, random_return))
+            summaries = [{"status": "complete", "final_return": float(final), "auc": float(auc)}
+                         for final, auc in zip(settings[-1].final().ravel(), settings[-1].auc().ravel())]
         finally:
-            if board:
-                board.close()
-        progress.end()
+            for tracker in tracked:
+                tracker.close(summaries)
         done_before += agents * config.num_updates
-        random_return = random_policy_return(config) if sweep.normalized_score else None
-        settings.append(SweepSetting(config, result, random_return))
         collapsed = penalty_collapsed(hparams.kl_target, result.metrics).reshape(len(sweep.points), -1).any(axis=1)
         if collapsed.any() and jax.process_index() == 0:
             points = " ".join(f"[{label}]" for label, bad in zip(sweep.labels, collapsed) if bad)
@@ -2982,9 +3102,10 @@ def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:
     save_figure(fig, path, dpi=120)
 
 
-def write_outputs(run_dir: str, config: Config, result: RunResult, status: str = "complete") -> None:
+def write_outputs(run_dir: str, config: Config, result: RunResult, status: str = "complete") -> list[dict]:
     """params.msgpack, summary.json and curve.png as of the updates done so far, each replaced
-    atomically (metrics.csv and the checkpoint are written after every chunk)."""
+    atomically (metrics.csv and the checkpoint are written after every chunk) -> each seed's summary
+    (for the trackers)."""
     finals = final_return(result.metrics)
     summary = {
         "status": status,  # complete, interrupted (resume it with --resume) or diverged at update N
@@ -3005,6 +3126,8 @@ def write_outputs(run_dir: str, config: Config, result: RunResult, status: str =
         write_atomically(os.path.join(run_dir, "params.msgpack"), serialization.to_bytes(jax.device_get(final_policy)))
     write_atomically(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2).encode())
     plot(plot_curve, os.path.join(run_dir, "curve.png"), result.metrics, f"PPO on {config.env}")
+    del summary["final_return_per_seed"], summary["final_return_mean"]
+    return [{**summary, "final_return": float(final)} for final in finals]
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -3094,7 +3217,10 @@ def clock(seconds: float) -> str:
 TENSORBOARD_MISSING = "--tensorboard needs tensorboardX, which is not installed: pip install -r requirements.txt"
 
 
-TENSORBOARD_TAGS = {  # CleanRL's names, where it has one; the other metrics go under ppo/
+WANDB_MISSING = "--wandb-project needs wandb, which is not installed: pip install -r requirements-wandb.txt"
+
+
+TRACKER_TAGS = {  # CleanRL's names, where it has one; the other metrics go under ppo/
     "episode_return": "charts/episodic_return", "episode_length": "charts/episodic_length",
     "learning_rate": "charts/learning_rate", "policy_loss": "losses/policy_loss", "value_loss": "losses/value_loss",
     "entropy": "losses/entropy", "approx_kl": "losses/approx_kl", "clip_frac": "losses/clipfrac",
@@ -3102,26 +3228,18 @@ TENSORBOARD_TAGS = {  # CleanRL's names, where it has one; the other metrics go 
     "eval_return_deterministic": "eval/episodic_return_deterministic"}
 
 
-class TensorBoard:
-    """--tensorboard: one event directory per agent under `root`, named by `names`; add() writes the
-    updates not written yet of metrics [agents, updates so far] (with env_steps) at x = env steps,
-    skipping NaN (no episode ended, a critic-free value loss), and charts/SPS once per chunk. Each
-    update is one event holding all its scalars (an event per scalar cost ~10x the time), written
-    on a worker thread while the next chunk runs; close() waits for it."""
+class Tracker:
+    """What --tensorboard and --wandb-project share: one run per agent (seed, or point x seed); add()
+    hands the updates not written yet of metrics [agents, updates so far] (with env_steps) to write()
+    on a worker thread, while the next chunk runs, with charts/SPS once per chunk; close() waits."""
 
-    def __init__(self, root: str, names: Sequence[str], config: Config, written: int = 0):
-        try:
-            from tensorboardX import summary
-            from tensorboardX.proto.summary_pb2 import Summary
-            from tensorboardX.writer import FileWriter
-        except ImportError:
-            raise ConfigError(TENSORBOARD_MISSING) from None
-        self.Summary = Summary
+    def __init__(self, written: int = 0):
         self.pool, self.pending = concurrent.futures.ThreadPoolExecutor(1), []
-        self.writers = [FileWriter(os.path.join(root, name)) for name in names]
-        for writer in self.writers:
-            writer.add_summary(summary.text("config", f"```\n{config_json(config)}\n```"), 0)
         self.written, self.time = written, time.perf_counter()
+
+    def started(self) -> None:
+        """The program is compiled and runs: charts/SPS counts from here."""
+        self.time = time.perf_counter()
 
     def add(self, metrics: dict[str, np.ndarray]) -> None:
         steps = metrics["env_steps"]
@@ -3133,24 +3251,127 @@ class TensorBoard:
         self.pending.append(self.pool.submit(self.write, new, float(sps)))
         self.written, self.time = done, now
 
-    def write(self, metrics: dict[str, np.ndarray], sps: float) -> None:  # on the worker thread
-        tags = {name: TENSORBOARD_TAGS.get(name, f"ppo/{name}") for name in metrics if name != "env_steps"}
+    @staticmethod
+    def rows(metrics: dict[str, np.ndarray], agent: int, sps: float):
+        """(env steps, {tag: value}) per update of one agent, NaN left out (no episode ended, a
+        critic-free value loss); charts/SPS in the last."""
         updates = metrics["env_steps"].shape[1]
-        for agent, writer in enumerate(self.writers):
-            for update in range(updates):
-                values = [self.Summary.Value(tag=tag, simple_value=float(metrics[name][agent, update]))
-                          for name, tag in tags.items() if math.isfinite(metrics[name][agent, update])]
-                if update == updates - 1:
-                    values.append(self.Summary.Value(tag="charts/SPS", simple_value=sps))
-                writer.add_summary(self.Summary(value=values), int(metrics["env_steps"][agent, update]))
-            writer.flush()
+        for update in range(updates):
+            values = {TRACKER_TAGS.get(name, f"ppo/{name}"): float(metrics[name][agent, update])
+                      for name in metrics if name != "env_steps" and math.isfinite(metrics[name][agent, update])}
+            if update == updates - 1:
+                values["charts/SPS"] = sps
+            yield int(metrics["env_steps"][agent, update]), values
 
-    def close(self) -> None:
+    def write(self, metrics: dict[str, np.ndarray], sps: float) -> None:
+        raise NotImplementedError
+
+    def close(self, summaries: Sequence[dict] | None = None, image: str | None = None) -> None:
+        """Wait for the writes. At the end of a run, `summaries`: each agent's final figures, and
+        `image`: the curve's PNG (for a tracker that keeps them)."""
         self.pool.shutdown(wait=True)
-        for writer in self.writers:
-            writer.close()
         for future in self.pending:
             future.result()  # a failed write is raised here
+
+
+class TensorBoard(Tracker):
+    """--tensorboard: an event directory per agent under `root`, named by `names`; each update is one
+    event holding all its scalars at x = env steps (an event per scalar cost ~10x the time)."""
+
+    def __init__(self, root: str, names: Sequence[str], config: Config, written: int = 0):
+        try:
+            from tensorboardX import summary
+            from tensorboardX.proto.summary_pb2 import Summary
+            from tensorboardX.writer import FileWriter
+        except ImportError:
+            raise ConfigError(TENSORBOARD_MISSING) from None
+        super().__init__(written)
+        self.Summary = Summary
+        self.writers = [FileWriter(os.path.join(root, name)) for name in names]
+        for writer in self.writers:
+            writer.add_summary(summary.text("config", f"```\n{config_json(config)}\n```"), 0)
+
+    def write(self, metrics: dict[str, np.ndarray], sps: float) -> None:  # on the worker thread
+        for agent, writer in enumerate(self.writers):
+            for step, values in self.rows(metrics, agent, sps):
+                writer.add_summary(self.Summary(value=[self.Summary.Value(tag=tag, simple_value=value)
+                                                       for tag, value in values.items()]), step)
+            writer.flush()
+
+    def close(self, summaries: Sequence[dict] | None = None, image: str | None = None) -> None:
+        super().close()
+        for writer in self.writers:
+            writer.close()
+
+
+class WandB(Tracker):
+    """--wandb-project: a W&B run per agent, named `<exp name>/<name>`, grouped by --wandb-group (else
+    the experiment name), with the config (and a sweep point's hyperparameters); each update one
+    history row at step = env steps. At the end each run gets its summary (summary.json's figures,
+    its own final return) and curve.png.
+    The runs' ids live in RUN_DIR/wandb.json, so a resumed run continues the same W&B runs.
+    WANDB_MODE=offline (no network) keeps them in RUN_DIR/wandb/ for `wandb sync`. The runs open on
+    the worker thread, while the program compiles (importing wandb and starting its service take ~1 s)."""
+
+    def __init__(self, run_dir: str, names: Sequence[str], configs: Sequence[Config], written: int = 0):
+        super().__init__(written)
+        self.runs: list = []
+        self.pending.append(self.pool.submit(self.open, run_dir, names, configs))
+
+    def open(self, run_dir: str, names: Sequence[str], configs: Sequence[Config]) -> None:  # on the worker thread
+        import wandb
+
+        config = configs[0]
+        experiment = config.exp_name or os.path.basename(os.path.normpath(run_dir))
+        ids_path = os.path.join(run_dir, "wandb.json")
+        ids = json.load(open(ids_path)) if os.path.exists(ids_path) else {}
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=len(names) > 1)
+        for name, agent_config in zip(names, configs):
+            self.runs.append(wandb.init(
+                project=config.wandb_project, entity=config.wandb_entity, group=config.wandb_group or experiment,
+                name=f"{experiment}/{name}", id=ids.get(name), resume="allow" if name in ids else None, dir=run_dir,
+                config={**json.loads(config_json(agent_config)), "agent": name}, reinit="create_new",
+                settings=settings))
+            ids[name] = self.runs[-1].id
+        write_atomically(ids_path, json.dumps(ids, indent=2).encode())
+        self.Image = wandb.Image
+        if self.runs[0].settings.mode == "offline":
+            print(f"W&B offline: {len(names)} run(s) in {os.path.join(run_dir, 'wandb')}/; upload them with "
+                  f"`wandb sync {os.path.join(run_dir, 'wandb')}/offline-run-*`")
+
+    def write(self, metrics: dict[str, np.ndarray], sps: float) -> None:  # on the worker thread
+        for agent, run in enumerate(self.runs):
+            for step, values in self.rows(metrics, agent, sps):
+                run.log(values, step=step)
+
+    def close(self, summaries: Sequence[dict] | None = None, image: str | None = None) -> None:
+        try:
+            super().close()
+        finally:
+            for run, summary in zip(self.runs, summaries or [{}] * len(self.runs)):
+                run.summary.update(summary)
+                if image and os.path.exists(image):
+                    run.log({"curve": self.Image(image)}, commit=False)
+                run.finish(exit_code=0 if summary.get("status") == "complete" else 1)
+
+
+def trackers(run_dir: str, names: Sequence[str], configs: Sequence[Config], written: int = 0,
+             flags: Config | None = None) -> list[Tracker]:
+    """The trackers that `flags` (default: the configs' own) ask for, a run per agent named `names`
+    (configs: each agent's), written from update `written` on."""
+    flags = flags or configs[0]
+    tracked: list[Tracker] = []
+    try:
+        if flags.tensorboard:
+            tracked.append(TensorBoard(os.path.join(run_dir, "tb"), names, configs[0], written))
+        if flags.wandb_project:
+            tracking = {name: getattr(flags, name) for name in ("wandb_project", "wandb_entity", "wandb_group", "exp_name")}
+            tracked.append(WandB(run_dir, names, [dataclasses.replace(c, **tracking) for c in configs], written))
+    except BaseException:
+        for tracker in tracked:
+            tracker.close()
+        raise
+    return tracked
 
 
 class Progress:
@@ -3591,6 +3812,19 @@ def penalty_collapsed(kl_target, metrics: dict[str, np.ndarray]) -> np.ndarray:
     return (np.asarray(kl_target) > 0) & (metrics["kl_coef"][:, -1] < 1e-6)
 
 
+def check_trackers(config: Config, argv: Sequence[str]) -> None:
+    """--tensorboard and --wandb-project: their library installed; the W&B flags only with a project."""
+    if config.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(TENSORBOARD_MISSING)
+    orphans = sorted({"wandb_entity", "wandb_group", "exp_name"} & explicit_fields(argv))
+    if orphans and not config.wandb_project:
+        raise ConfigError(f"{flag(orphans[0])} only applies with --wandb-project NAME")
+    if config.wandb_project is not None and not config.wandb_project.strip():
+        raise ConfigError("--wandb-project: give the W&B project's name")
+    if config.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(WANDB_MISSING)
+
+
 def run_command(config: Config, argv: list[str]):
     """main() once the command line is parsed (and, with --distributed, the processes have met)."""
     if config.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -3605,8 +3839,7 @@ def run_command(config: Config, argv: list[str]):
             raise ConfigError("--eval and --resume: give one of them")
         if config.eval:
             return run_eval(config, argv)
-        if config.tensorboard and importlib.util.find_spec("tensorboardX") is None:
-            raise ConfigError(TENSORBOARD_MISSING)
+        check_trackers(config, argv)
         if config.resume:
             config, start = resume_config(config, argv)
             if writer:
@@ -3646,7 +3879,7 @@ def run_command(config: Config, argv: list[str]):
               f"{jax.devices()[0].platform} device(s)"
               + (", an agent's envs over several" if max(shards for _, shards in layouts) > 1 else ""))
         try:
-            settings = run_sweep(sweep, run_dir, config.sweep_chunk, config.quiet, config.tensorboard)
+            settings = run_sweep(sweep, run_dir, config.sweep_chunk, config.quiet, config)
         except KeyboardInterrupt:
             exit_at_once(f"\ninterrupted: {run_dir}/ holds the static settings finished so far" if writer
                          else f"\nprocess {jax.process_index()}: interrupted")
@@ -3664,8 +3897,6 @@ def run_command(config: Config, argv: list[str]):
           + (f", resumed at update {start.updates_done}" if start else ""))
     try:
         result, status = train_run(config, run_dir, start)
-        if writer:
-            write_outputs(run_dir, config, result, status)
     except KeyboardInterrupt:  # a second Ctrl-C: the chunk under way is lost, the checkpoint before it stays
         if not writer:
             exit_at_once(f"\nprocess {jax.process_index()}: stopped at once")

