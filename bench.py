@@ -130,10 +130,11 @@ def plain_ppo(config, agents: int):
     per env step) written the straightforward way of single-file JAX PPOs, with none of ppo_jax's
     speed work: gymnax's own auto-resetting step, keys split at every step, the critic evaluated in
     the rollout loop, optax's clipping and Adam over the parameter tree, a jax.random.permutation
-    and a gather per epoch, agents vmapped, the layers differentiated as flax's nn.Dense is (grad_chunk
-    0: JAX's own gradient of each matmul, no kernel_grad). Discrete actions only. Returns (compiled program,
+    and a gather per epoch, agents vmapped, the layers flax's own nn.Dense (JAX's gradient of each
+    matmul, no kernel_grad). Discrete actions only. Returns (compiled program,
     its argument, env steps per call); the program returns metrics as ppo_jax's do, [agents,
     updates]: episode_return (the mean of the episodes that ended in the update) and episodes."""
+    import flax.linen
     import jax
     import jax.numpy as jnp
     import optax
@@ -142,7 +143,7 @@ def plain_ppo(config, agents: int):
 
     h = config.hparams
     env = P.make_env(config)
-    network = P.make_network(config, env).clone(grad_chunk=0)  # flax's Dense's gradient, no kernel_grad
+    network = P.make_network(config, env)
     gym, gym_params = env.env, env.env_params
     n, t, m = config.num_envs, config.num_steps, config.num_minibatches
     num_updates = config.num_updates
@@ -221,7 +222,12 @@ def plain_ppo(config, agents: int):
         return jax.lax.scan(update, carry, None, length=num_updates)[1]
 
     keys = jax.random.split(jax.random.PRNGKey(0), agents)
-    compiled = jax.jit(jax.vmap(train)).lower(keys).compile()
+    dense = P.dense  # while it traces, the network's layers are flax's own nn.Dense (no kernel_grad)
+    P.dense = lambda features, kernel_init, name: flax.linen.Dense(features, kernel_init=kernel_init, name=name)
+    try:
+        compiled = jax.jit(jax.vmap(train)).lower(keys).compile()
+    finally:
+        P.dense = dense
     return compiled, keys, agents * num_updates * config.batch_size
 
 

@@ -21,7 +21,7 @@ Where to hack (the four rules a change must keep are in HParams' docstring):
     minibatches, epochs      minibatch_step, epoch_step, update_step
     optimizer                make_optimizer, adam_step
     environments             VecEnv (gymnax), BraxEnv
-    metrics                  update_step's `metrics` (every key reaches metrics.csv)
+    metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
     a hyperparameter         a field of HParams (traced: swept without recompiling)
 
 Sections: 1 HParams and Config; 2 the PPO (network, rollout, advantages, loss, update, make_train);
@@ -603,19 +603,18 @@ class ActorCritic(nn.Module):
     image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over the observation
     recurrent_size: int = 0  # > 0: a GRU of this many units after the torso
     critic: bool = True  # False: no critic trunk or value head (the values are zeros)
-    grad_chunk: int = 0  # each Dense layer's kernel_grad chunk (speed, CPU; 0: JAX's own gradient)
 
     @nn.compact
     def __call__(self, obs, first=None, hidden=None):  # -> (hiddens, distribution over [...] actions, values [...])
         activation = {"tanh": nn.tanh, "relu": nn.relu}[self.activation]
         init = orthogonal if self.orthogonal_init else lambda scale: nn.initializers.lecun_normal()
 
-        def dense(width, scale, name):
-            return Dense(width, init(scale), self.grad_chunk, name=name)
+        def layer(width, scale, name):
+            return dense(width, init(scale), name)
 
         def trunk(x, name):
             for i, width in enumerate(self.hidden_sizes):
-                x = activation(dense(width, math.sqrt(2.0), f"{name}_{i}")(x))
+                x = activation(layer(width, math.sqrt(2.0), f"{name}_{i}")(x))
             return x
 
         if self.image_shape is not None:  # observations are flat everywhere else: [..., H, W, C] here
@@ -625,17 +624,17 @@ class ActorCritic(nn.Module):
             image = obs.reshape(-1, *self.image_shape)
             patches = jax.lax.conv_general_dilated_patches(image, (3, 3), (1, 1), "SAME",
                                                            dimension_numbers=("NHWC", "OIHW", "NHWC"))
-            features = nn.relu(dense(16, math.sqrt(2.0), "conv")(patches))  # [B, H, W, 16]
+            features = nn.relu(layer(16, math.sqrt(2.0), "conv")(patches))  # [B, H, W, 16]
             obs = features.reshape(*obs.shape[:-1], -1)  # [..., H * W * 16]
         if self.recurrent_size:
-            obs = hiddens = GRU(self.recurrent_size, init(1.0), self.grad_chunk, name="gru")(obs, first, hidden)
+            obs = hiddens = GRU(self.recurrent_size, init(1.0), name="gru")(obs, first, hidden)
         else:
             hiddens = jnp.zeros((*obs.shape[:-1], 0), jnp.float32)
         actor_features = trunk(obs, "trunk" if self.shared_trunk else "actor")
-        policy_out = dense(self.action_dim, 0.01, "policy_head")(actor_features)
+        policy_out = layer(self.action_dim, 0.01, "policy_head")(actor_features)
         if self.critic:
             critic_features = actor_features if self.shared_trunk else trunk(obs, "critic")
-            values = dense(1, 1.0, "value_head")(critic_features)[..., 0]
+            values = layer(1, 1.0, "value_head")(critic_features)[..., 0]
         else:
             values = jnp.zeros(policy_out.shape[:-1], jnp.float32)
         if self.discrete:
@@ -654,12 +653,11 @@ class GRU(nn.Module):
 
     size: int
     kernel_init: Any
-    grad_chunk: int = 0  # its input projection's (Dense)
 
     @nn.compact
     def __call__(self, inputs, first, hidden):  # [T, B, D], [T, B] bool, [B, H] -> states after each step [T, B, H]
         size = self.size
-        projected = Dense(3 * size, self.kernel_init, self.grad_chunk, name="input")(inputs)  # [T, B, 3H]: W x + b
+        projected = dense(3 * size, self.kernel_init, "input")(inputs)  # [T, B, 3H]: W x + b
 
         def blocks(key, shape):  # U_r, U_z, U_n each initialised on its own (each orthogonal when that is the init)
             return jnp.concatenate([self.kernel_init(k, (size, size)) for k in jax.random.split(key, 3)], axis=-1)
@@ -844,7 +842,7 @@ def process_rollout(state: TrainState, traj: Transition, env: VecEnv, network: A
 
     # Reward processing, in order: scale by the running std of the discounted return, clip,
     # then the KL leash (in units of log-probability, so after the scaling).
-    reward_stats = state.reward_stats.update(gather_envs(traj.discounted_return, env.shards).reshape(-1))
+    reward_stats = state.reward_stats.update(env.gather(traj.discounted_return).reshape(-1))
     scaled = jnp.where(hparams.scale_reward, traj.reward / jnp.sqrt(reward_stats.var + 1e-8), traj.reward)
     reward = jnp.clip(scaled, -hparams.clip_reward, hparams.clip_reward)
 
@@ -872,7 +870,7 @@ def process_rollout(state: TrainState, traj: Transition, env: VecEnv, network: A
         final_obs=observe(state.obs_stats, traj.final_obs, hparams),
         ref_kl=ref_kl,
     )
-    obs_stats = state.obs_stats.update(gather_envs(raw_obs, env.shards).reshape(-1, env.obs_dim))
+    obs_stats = state.obs_stats.update(env.gather(raw_obs).reshape(-1, env.obs_dim))
     state = state.replace(obs_stats=obs_stats, reward_stats=reward_stats, ref_hidden=ref_hidden)
     return state, traj
 
@@ -936,7 +934,7 @@ def estimate_advantages(params, traj: Transition, config: Config, env: VecEnv, n
     step; where no episode ended, final_obs is simply the next observation). Truncation bootstraps
     unless --no-bootstrap-truncation. Critic-free (--adv-estimator): group_advantages, no targets."""
     if config.adv_estimator != "gae":  # groups may span the devices an agent's envs are sharded over
-        rewards = gather_envs(traj.reward, env.shards)
+        rewards = env.gather(traj.reward)
         advantages = env.own(group_advantages(rewards, config.adv_estimator, config.group_size or config.num_envs,
                                               fixed_episode_length(config.env, config.env_params)))
         return advantages, jnp.zeros_like(advantages)
@@ -1066,9 +1064,9 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     advantages, targets = estimate_advantages(state.params, traj, config, env, network, hparams)
     parts = Parts.of(config, env)  # how the passes over the batch are split (speed and devices: Parts)
     recurrent = network.recurrent_size > 0
-    batch = make_batch(traj, advantages, targets, start_hidden, recurrent, env.shards)  # the whole agent's
+    batch = make_batch(traj, advantages, targets, start_hidden, recurrent, parts)  # the whole agent's
     # This device's envs alone, for the KL pass (unsharded: the batch itself).
-    own = make_batch(traj, advantages, targets, start_hidden, recurrent) if env.shards > 1 else batch
+    own = make_batch(traj, advantages, targets, start_hidden, recurrent) if parts.shards > 1 else batch
 
     # Speed: every epoch's shuffle drawn in one vectorised call, and the gradient steps on one flat
     # parameter vector, so that clipping and Adam are a few fused ops instead of a few per leaf.
@@ -1079,7 +1077,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, hparams=hparams, lr=lr,
                                 kl_coef=state.kl_coef, parts=parts, leash=leash)
     epoch = functools.partial(epoch_step, batch=batch, num_minibatches=config.num_minibatches, step_fn=step_fn,
-                              norm_adv=hparams.norm_adv, shards=env.shards)
+                              norm_adv=hparams.norm_adv, parts=parts)
     (flat_params, opt_state, _), diagnostics = jax.lax.scan(
         epoch, (flat_params, state.opt_state, jnp.array(False)), permutations)
     params = unravel(flat_params)
@@ -1100,7 +1098,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
         **{name: jnp.mean(value) for name, value in diagnostics.items()},  # mean over epochs x minibatches
         "kl": kl,
         "kl_coef": state.kl_coef,  # the beta this update used
-        "ref_kl": jnp.where(hparams.ref_kl_coef > 0, sums["ref_kl"] / env.shards, jnp.nan),  # mean over devices
+        "ref_kl": jnp.where(hparams.ref_kl_coef > 0, sums["ref_kl"] / parts.shards, jnp.nan),  # mean over devices
         "grad_steps": jnp.sum(grad_steps),
         "explained_variance": (explained_variance(batch.value, batch.targets) if network.critic
                                else jnp.float32(jnp.nan)),  # critic-free: no values
@@ -1111,10 +1109,10 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     return state, metrics
 
 
-def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: bool, shards: int = 1) -> Batch:
+def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: bool, parts: Parts | None = None) -> Batch:
     """What the update needs. Feedforward: flattened from [T, N, ...] to [B, ...] (B = T * N).
     Recurrent: kept time-major, with the reset flags and the state the rollout started from [N, H].
-    With sharded envs, gathered from every device's envs: the whole agent's batch."""
+    With `parts` of sharded envs, gathered from every device's envs: the whole agent's batch."""
     batch = Batch(
         obs=traj.obs,
         first=traj.first if recurrent else None,
@@ -1128,24 +1126,19 @@ def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: b
         ref_log_prob=traj.ref_log_prob,
         ref_dist=traj.ref_dist,
     )
-    if shards > 1:
-        hidden = gather_envs(batch.hidden, shards, axis=0)  # [N, H]: the env axis comes first
-        batch = gather_envs(batch.replace(hidden=None), shards).replace(hidden=hidden)
+    batch = parts.all_envs(batch) if parts else batch
     return batch if recurrent else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
 
 
-def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn, norm_adv, shards: int = 1):
+def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn, norm_adv, parts: Parts | None = None):
     """One pass over the batch: a lax.scan of gradient steps over shuffled minibatches, their
-    advantages normalised over each whole minibatch when norm_adv (--norm-adv). With sharded envs,
-    `batch` is the whole agent's, and this device steps on its 1/shards part of each minibatch."""
+    advantages normalised over each whole minibatch when norm_adv (--norm-adv). With `parts` of
+    sharded envs, `batch` is the whole agent's, and this device steps on its part of each minibatch."""
     shuffle = shuffle_into_minibatches if batch.hidden is None else shuffle_sequences_into_minibatches
-    if shards == 1:
-        minibatches = shuffle(permutation, batch, num_minibatches)
-        whole = minibatches.advantages
-    else:
-        own = permutation.reshape(num_minibatches, shards, -1)[:, jax.lax.axis_index(ENV_AXIS)].reshape(-1)
-        minibatches = shuffle(own, batch, num_minibatches)
-        whole = shuffle(permutation, batch, num_minibatches).advantages  # (XLA drops the other fields' gathers)
+    own = parts.own_rows(permutation, num_minibatches) if parts else permutation
+    minibatches = shuffle(own, batch, num_minibatches)
+    # The normalisation's statistics are the whole minibatch's (sharded: XLA drops the other fields' gathers).
+    whole = (minibatches if own is permutation else shuffle(permutation, batch, num_minibatches)).advantages
     axes = tuple(range(1, whole.ndim))  # [M, ...]: the statistics of each minibatch
     mean, std = whole.mean(axes, keepdims=True), whole.std(axes, keepdims=True)
     advantages = minibatches.advantages
@@ -1238,7 +1231,7 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
     return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation,
                        config.shared_trunk, image_shape=env.obs_shape if cnn else None,
                        recurrent_size=config.recurrent_size if config.recurrent == "gru" else 0,
-                       critic=config.adv_estimator == "gae", grad_chunk=grad_chunk_rows())
+                       critic=config.adv_estimator == "gae")
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
@@ -1465,6 +1458,11 @@ class VecEnv:
             reset = jax.vmap(reset)
         obs, env_state = reset(keys)
         return self._flat(obs), env_state
+
+    def gather(self, x, axis: int = 1):
+        """Every device's part of x, whose `axis` runs over this device's envs: all num_envs x shards
+        envs in order, the whole agent's (unsharded: x)."""
+        return gather_envs(x, self.shards, axis)
 
     def own(self, x, axis: int = 1):
         """This device's part of x, whose `axis` runs over all num_envs x shards envs (x itself unsharded)."""
@@ -2798,7 +2796,8 @@ def plot_scores(run_dir: str, sweep: Sweep, scores: np.ndarray, estimates: np.nd
     save_figure(fig, os.path.join(run_dir, "normalized.png"), dpi=110)
 
     best = best_first(estimates[:, 0])[:profiled]
-    taus = np.linspace(min(0.0, scores.min()), max(1.0, scores.max()), 41)
+    low, high = min(scores[best].min(), 1.0), max(scores[best].max(), 1.0)  # the profiled runs' range
+    taus = np.linspace(low - 0.02 * (high - low), high, 81)
     profiles, bands = performance_profiles(scores[best], taus)
     fig, ax = plt.subplots(figsize=(6, 4))
     plot_utils.plot_performance_profiles(
@@ -3994,6 +3993,12 @@ def orthogonal(scale: float):
     return init
 
 
+def dense(features: int, kernel_init, name: str) -> nn.Module:
+    """The networks' linear layer: flax's nn.Dense in all but speed (on CPU its kernel gradient by
+    kernel_grad, chunked; on accelerators JAX's own)."""
+    return Dense(features, kernel_init, grad_chunk_rows(), name=name)
+
+
 class Dense(nn.Module):
     """flax's nn.Dense (same parameters, names and initialisation: kernel [D, F], zero bias) through
     `affine`, for its kernel gradient by kernel_grad; with grad_chunk 0, nn.Dense's matmul and gradient.
@@ -4151,6 +4156,19 @@ class Parts:
     def device_sum(self, tree):
         return over_shards(jax.lax.psum, tree, self.shards)
 
+    def all_envs(self, batch: Batch) -> Batch:
+        """A time-major batch of this device's envs -> of every device's, in env order (the whole agent's)."""
+        if self.shards == 1:
+            return batch
+        hidden = gather_envs(batch.hidden, self.shards, axis=0)  # [N, H]: the env axis comes first
+        return gather_envs(batch.replace(hidden=None), self.shards).replace(hidden=hidden)
+
+    def own_rows(self, permutation, num_minibatches: int):
+        """Of a shuffled epoch's rows, those of each minibatch that this device steps on: its part."""
+        if self.shards == 1:
+            return permutation
+        return permutation.reshape(num_minibatches, self.shards, -1)[:, jax.lax.axis_index(ENV_AXIS)].reshape(-1)
+
 
 def gather_envs(tree, shards: int, axis: int = 1):
     """Every device's part of `tree` along `axis` (its env axis), in env order: the whole agent's."""
@@ -4196,7 +4214,7 @@ def slices_per_pass(config: Config, shards: int = 1) -> int:
 
 
 def grad_chunk_rows() -> int:
-    """The networks' Dense grad_chunk: GRAD_CHUNK_ROWS on CPU; 0 (JAX's own gradient) on accelerators."""
+    """dense()'s grad_chunk: GRAD_CHUNK_ROWS on CPU; 0 (JAX's own gradient) on accelerators."""
     return GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0
 
 

@@ -1062,8 +1062,8 @@ def test_dense_is_flax_dense_and_its_kernel_gradient_is_exact(shape, features):
 def test_kernel_gradient_paths_follow_the_layer_shape():
     """kernel_grad's rule (CPU): chunked (a batched dot, then a sum) for small kernels with >= 64
     inputs over >= 8 chunks of rows; g^T x transposed (between optimization barriers) for narrow
-    outputs otherwise; one dot for narrow inputs (4, the conv's 36) and the rest. make_network uses
-    it on CPU only."""
+    outputs otherwise; one dot for narrow inputs (4, the conv's 36) and the rest. The networks'
+    layers (dense) use it on CPU only."""
     def path(n, inputs, outputs):
         jaxpr = str(jax.make_jaxpr(lambda x, g: P.kernel_grad(x, g, 128))(jnp.ones((n, inputs)), jnp.ones((n, outputs))))
         return "chunks" if "reduce_sum" in jaxpr else "transposed" if "optimization_barrier" in jaxpr else "dot"
@@ -1071,8 +1071,7 @@ def test_kernel_gradient_paths_follow_the_layer_shape():
     assert {path(2048, 64, 64), path(2048, 64, 1), path(1024, 128, 128)} == {"chunks"}
     assert {path(128, 64, 2), path(512, 128, 1), path(512, 1600, 128), path(2000, 64, 2)} == {"transposed"}
     assert {path(2048, 4, 64), path(51200, 36, 16), path(512, 64, 64), path(2000, 64, 64)} == {"dot"}
-    network = P.make_network(P.default_config("CartPole-v1"), P.make_env(P.default_config("CartPole-v1")))
-    assert network.grad_chunk == (P.GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0)
+    assert P.dense(4, P.orthogonal(1.0), "x").grad_chunk == (P.GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0)
 
 
 def switch_test_config():
