@@ -512,8 +512,7 @@ def default_config(env_id: str) -> Config:
 
 # Closed-form distributions instead of distrax: distrax pulls in tfp-nightly and warns at import on
 # this jax, and each of these is a few lines that the tests check against scipy. Sampling is split
-# into noise(bits) and sample_from(noise) so that a rollout draws all its noise in one call, from
-# random bits drawn together with the rest of its randomness (draw_bits).
+# into noise(key, shape) and sample_from(noise) so that a rollout draws all its noise in one call.
 LOG_2PI = math.log(2.0 * math.pi)
 
 
@@ -522,14 +521,14 @@ class Categorical:
     logits: jax.Array  # [..., num_actions]
 
     @staticmethod
-    def noise(bits):  # uint32 [*logits' shape] -> standard Gumbel noise, as jax.random.gumbel from the same bits
-        return -jnp.log(-jnp.log(uniform_from_bits(bits, float(jnp.finfo(jnp.float32).tiny))))
+    def noise(key, shape):  # standard Gumbel noise
+        return jax.random.gumbel(key, shape)
 
     def sample_from(self, noise):  # the Gumbel-max trick: argmax(logits + Gumbel noise)
         return jnp.argmax(self.logits + noise, axis=-1).astype(jnp.int32)
 
     def sample(self, key):
-        return self.sample_from(self.noise(jax.random.bits(key, self.logits.shape, jnp.uint32)))
+        return self.sample_from(self.noise(key, self.logits.shape))
 
     def mode(self):
         return jnp.argmax(self.logits, axis=-1).astype(jnp.int32)
@@ -554,15 +553,14 @@ class DiagGaussian:
     log_std: jax.Array  # [..., action_dim] (state-independent, broadcast to the batch by the network)
 
     @staticmethod
-    def noise(bits):  # uint32 [*mean's shape] -> standard normal noise, as jax.random.normal from the same bits
-        low = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
-        return jnp.float32(math.sqrt(2.0)) * jax.lax.erf_inv(uniform_from_bits(bits, low))
+    def noise(key, shape):  # standard normal noise
+        return jax.random.normal(key, shape)
 
     def sample_from(self, noise):
         return self.mean + jnp.exp(self.log_std) * noise
 
     def sample(self, key):
-        return self.sample_from(self.noise(jax.random.bits(key, self.mean.shape, jnp.uint32)))
+        return self.sample_from(self.noise(key, self.mean.shape))
 
     def mode(self):
         return self.mean
@@ -789,6 +787,18 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
     """
     state, raw = step_envs(state, env, network, num_steps, hparams)
     return process_rollout(state, raw, env, network, hparams, leash)
+
+
+def rollout_randomness(key, env: VecEnv, num_steps: int):
+    """step_envs' randomness, drawn before it -> (the next key, action noise [T, N, A], env step keys
+    [T, N], fresh starts for every env at every step (VecEnv.resets)). With sharded envs, the draws
+    are those of all the agent's envs, of which this device keeps its own."""
+    distribution = Categorical if env.discrete else DiagGaussian
+    all_envs = env.num_envs * env.shards
+    key, noise_key, step_key, reset_key = jax.random.split(key, 4)
+    noise = distribution.noise(noise_key, (num_steps, all_envs, env.action_dim))
+    step_keys = jax.random.split(step_key, (num_steps, all_envs))
+    return key, env.own(noise), env.own(step_keys), env.draw_resets(reset_key, num_steps)
 
 
 def step_envs(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: int, hparams: HParams):
@@ -3333,7 +3343,7 @@ class WandB(Tracker):
                 settings=settings))
             ids[name] = self.runs[-1].id
         write_atomically(ids_path, json.dumps(ids, indent=2).encode())
-        self.Image = wandb.Image
+        self.Image, self.teardown = wandb.Image, wandb.teardown
         if self.runs[0].settings.mode == "offline":
             print(f"W&B offline: {len(names)} run(s) in {os.path.join(run_dir, 'wandb')}/; upload them with "
                   f"`wandb sync {os.path.join(run_dir, 'wandb')}/offline-run-*`")
@@ -3352,6 +3362,8 @@ class WandB(Tracker):
                 if image and os.path.exists(image):
                     run.log({"curve": self.Image(image)}, commit=False)
                 run.finish(exit_code=0 if summary.get("status") == "complete" else 1)
+            if self.runs:
+                self.teardown()  # waits for W&B's service to have written every record (finish() may not)
 
 
 def trackers(run_dir: str, names: Sequence[str], configs: Sequence[Config], written: int = 0,
@@ -3938,37 +3950,6 @@ def run_command(config: Config, argv: list[str]):
 # ================================================================================================
 
 
-def draw_bits(key, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
-    """uint32 random bits of each shape, from one call of the PRNG (threefry). A part with a raw key's
-    shape (key.shape) is a fresh key, as jax.random.split's are.
-
-    Written for compile time: on CPU each jax.random call compiles to its own loop of kernels, and
-    each kernel costs XLA compile time; an update draws its randomness in two calls, not six."""
-    sizes = [math.prod(shape) for shape in shapes]
-    flat = jax.random.bits(key, (sum(sizes),), jnp.uint32)
-    parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist())
-    return [part.reshape(shape) for part, shape in zip(parts, shapes)]
-
-
-def rollout_randomness(key, env: VecEnv, num_steps: int):
-    """step_envs' randomness in one PRNG call (draw_bits) -> (the next key, action noise [T, N, A],
-    env step keys [T, N, ...], fresh starts for every env at every step (VecEnv.resets)). With
-    sharded envs, the draws are those of all the agent's envs, of which this device keeps its own."""
-    distribution = Categorical if env.discrete else DiagGaussian
-    all_envs, key_shape = env.num_envs * env.shards, key.shape
-    key, noise_bits, step_keys, reset_keys = draw_bits(key, [
-        key_shape, (num_steps, all_envs, env.action_dim), (num_steps, all_envs, *key_shape),
-        (num_steps, all_envs, *key_shape)])
-    return key, env.own(distribution.noise(noise_bits)), env.own(step_keys), env.resets(reset_keys)
-
-
-def uniform_from_bits(bits, low: float = 0.0):
-    """float32 uniform on [low, 1) from uint32 bits (low < 1), exactly as jax.random.uniform makes it
-    from the same bits (its 23 high bits as the mantissa of a float in [1, 2))."""
-    floats = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
-    return jnp.maximum(jnp.float32(low), floats * jnp.float32(1.0 - low) + jnp.float32(low))
-
-
 def orthogonal(scale: float):
     """Orthogonal init (Saxe et al., 2014), as flax's `orthogonal` but without LAPACK: the Q of a
     Gaussian matrix's QR (diagonal of R positive) by Gram-Schmidt, each column projected twice. Why:
@@ -4088,8 +4069,8 @@ def over_slices(fn, batch, slices: int, mean: bool = False):
 
 def minibatch_orders(key, epochs: int, n: int):
     """(the next key, [epochs, n] int32): each epoch's random order of the n samples (or env sequences)."""
-    key, order_bits = draw_bits(key, [key.shape, order_bits_shape(epochs, n)])
-    return key, random_orders(order_bits, epochs)
+    key, order_key = jax.random.split(key)
+    return key, random_orders(jax.random.bits(order_key, order_bits_shape(epochs, n), jnp.uint32), epochs)
 
 
 def random_orders(bits, rows: int):
