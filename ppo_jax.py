@@ -167,7 +167,7 @@ class HParams:
     Four rules for changing the PPO:
     1. HParams are traced: no Python `if` on a field; switch with `jnp.where` or a coefficient.
     2. Every loss term and diagnostic is a mean over samples: a minibatch may be computed in slices
-       (--slices; automatic on CPU for big minibatches) and over devices (--env-devices), and the
+       (--slices N) and over devices (--env-devices), and the
        parts' gradients are averaged. A per-minibatch statistic (e.g. normalising advantages) goes
        in epoch_step, not in ppo_loss (test_slices_give_the_whole_minibatch_gradient_step fails).
     3. A statistic over the whole batch inside the update goes through Parts.device_mean / device_sum
@@ -270,12 +270,13 @@ class Config:
     group_size: int = 0
     """Critic-free estimators: consecutive groups of this many envs, whose episodes in the same rollout
     slot form a group (0: all --num-envs envs are one group)."""
-    slices: int = 0
+    slices: int = 1
     """Compute each minibatch's gradient as the mean of the gradients of this many equal slices of
     it, and the next-value and KL passes over the whole batch in as many slices, each slice its own
-    piece of the program: the same results up to float rounding, faster on CPU (see over_slices).
-    0: auto (on CPU, one slice per SLICE_SAMPLES samples of a minibatch, at most MAX_SLICES; on
-    accelerators 1); 1: no slicing. Feedforward networks only."""
+    piece of the program: the same results up to float rounding, faster on some CPUs for minibatches
+    of many thousand samples (see over_slices and docs/speed.md). 1: no slicing; 0: auto (on CPU,
+    one slice per SLICE_SAMPLES samples of a minibatch, at most MAX_SLICES; on accelerators 1).
+    Feedforward networks only."""
     hidden_sizes: tuple[int, ...] = (64, 64)
     """Widths of the hidden layers of the actor and of the critic."""
     activation: Literal["tanh", "relu"] = "tanh"
