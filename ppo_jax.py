@@ -2477,7 +2477,7 @@ class SweepSetting:
         return np.where(self.diverged(), np.nan, final)
 
     def final_iqm(self) -> np.ndarray:  # [points]: the IQM of final() over the seeds that did not diverge
-        return np.array([iqm_and_ci(final, reps=1)[0] for final in self.final()])
+        return np.array([finite_iqm(final) for final in self.final()])
 
     def auc(self) -> np.ndarray:  # [points, seeds]: mean return over all updates (area under the curve / steps)
         with warnings.catch_warnings():
@@ -2675,7 +2675,13 @@ def iqm_and_ci(values: np.ndarray, reps: int = 10_000, seed: int = 0) -> tuple[f
         return math.nan, math.nan, math.nan
     resampled = finite[np.random.default_rng(seed).integers(0, finite.size, (reps, finite.size))]
     low, high = np.percentile(iqm(resampled, axis=1), [2.5, 97.5])
-    return float(iqm(finite)), float(low), float(high)
+    return finite_iqm(finite), float(low), float(high)
+
+
+def finite_iqm(values: np.ndarray) -> float:
+    """The IQM of the finite values (NaN marks a diverged seed); NaN if none is finite."""
+    finite = values[np.isfinite(values)]
+    return float(iqm(finite)) if finite.size else math.nan
 
 
 def mean_and_ci(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
