@@ -2668,7 +2668,7 @@ def iqm(values: np.ndarray, axis=None):
 def iqm_and_ci(values: np.ndarray, reps: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
     """One point's final returns over seeds (NaN, a diverged seed, left out) -> (interquartile mean,
     the 2.5 and 97.5 percentiles of its bootstrap over the seeds): rliable's IQM and percentile
-    interval for one task, vectorised (rliable's loop takes ~100x longer); `reps` resamplings of the
+    interval for one task, vectorised (rliable resamples in a Python loop); `reps` resamplings of the
     seeds with a fixed seed: reproducible."""
     finite = values[np.isfinite(values)]
     if finite.size == 0:
@@ -3327,7 +3327,8 @@ class WandB(Tracker):
     its own final return) and curve.png.
     The runs' ids live in RUN_DIR/wandb.json, so a resumed run continues the same W&B runs.
     WANDB_MODE=offline (no network) keeps them in RUN_DIR/wandb/ for `wandb sync`. The runs open on
-    the worker thread, while the program compiles (importing wandb and starting its service take ~1 s)."""
+    the worker thread, while the program compiles (importing wandb and starting its service take a
+    while: the README's Tracking section has the figure)."""
 
     def __init__(self, run_dir: str, names: Sequence[str], configs: Sequence[Config], written: int = 0):
         super().__init__(written)
@@ -3340,7 +3341,10 @@ class WandB(Tracker):
         config = configs[0]
         experiment = config.exp_name or os.path.basename(os.path.normpath(run_dir))
         ids_path = os.path.join(run_dir, "wandb.json")
-        ids = json.load(open(ids_path)) if os.path.exists(ids_path) else {}
+        ids = {}
+        if os.path.exists(ids_path):  # a resumed run (or a sweep's earlier setting)
+            with open(ids_path) as f:
+                ids = json.load(f)
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=len(names) > 1)
         for name, agent_config in zip(names, configs):
             self.runs.append(wandb.init(
