@@ -15,17 +15,17 @@ Where to hack (the four rules a change must keep are in HParams' docstring):
     surrogate objective      policy_objective       the loss (Eq. 9)       ppo_loss
     advantages, returns      estimate_advantages (GAE: compute_gae; critic-free: group_advantages)
     value loss               value_loss             KL leash               kl_estimate, process_rollout
-    PPO-Penalty's beta       adaptive_kl_coef       learning-rate schedule learning_rate
+    PPO-Penalty's beta       adaptive_kl_coef       the leash's controller adaptive_ref_kl_coef
     network, distributions   ActorCritic, Categorical, DiagGaussian
     rollout, reward shaping  step_envs, process_rollout
     minibatches, epochs      minibatch_step, epoch_step, update_step
-    optimizer                make_optimizer, adam_step
-    environments             VecEnv (gymnax), BraxEnv
+    optimizer, lr schedule   make_optimizer, adam_step, learning_rate
+    environments             VecEnv (gymnax), BraxEnv, ToyRLHF (RLHF in miniature; its ground truth: section 8)
     metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
     a hyperparameter         a field of HParams (traced: swept without recompiling)
 
-Sections: 1 HParams and Config; 2 the PPO (network, rollout, advantages, loss, update, make_train);
-3 environments; 4 running; 5 sweeps; 6 outputs; 7 evaluation; 8 CLI; 9 speed (docs/speed.md).
+Sections: 1 HParams, Config; 2 the PPO (network, rollout, advantages, loss, update, make_train); 3 envs;
+4 running; 5 sweeps; 6 outputs; 7 evaluation; 8 RLHF's ground truth; 9 CLI; 10 speed (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -198,6 +198,14 @@ class HParams:
     k an estimate of KL[pi || pi_ref] (--ref-kl-estimator; default k1 = log pi(a|s) - log pi_ref(a|s)),
     subtracted from each reward before GAE (InstructGPT, Eq. 2) or added to the loss (--ref-kl-in);
     0: off."""
+    ref_kl_target: float = 0.0
+    """The leash's adaptive controller (Ziegler et al. 2019, arXiv:1909.08593, Sec. 2.2): after each
+    update, e = clip(KL_seq / ref_kl_target - 1, -0.2, 0.2) and beta <- beta * (1 + e * n / ref_kl_horizon),
+    KL_seq the exact KL[pi || pi_ref] per episode (ref_kl_seq) and n the episodes of the update; it
+    starts from --ref-kl-coef. Nats per episode; 0: beta stays fixed. Not PPO-Penalty's --kl-target,
+    which halves or doubles its beta on the KL between successive policies."""
+    ref_kl_horizon: float = 10000.0
+    """The controller's horizon H in episodes (--ref-kl-target): how slowly beta moves."""
     target_kl: float = 0.0
     """Skip the update's remaining gradient steps once a minibatch's approx KL exceeds this; 0: never."""
     ent_coef: float = 0.01
@@ -244,8 +252,9 @@ class Config:
 
     env: str = "CartPole-v1"
     """gymnax environment id (e.g. CartPole-v1, Pendulum-v1, Acrobot-v1, MountainCarContinuous-v0,
-    Breakout-MinAtar, MemoryChain-bsuite), or brax:NAME (brax:ant, brax:hopper, brax:inverted_pendulum,
-    ...; needs requirements-brax.txt). The defaults shown by --help are that env's defaults."""
+    Breakout-MinAtar, MemoryChain-bsuite), brax:NAME (brax:ant, brax:hopper, brax:inverted_pendulum,
+    ...; needs requirements-brax.txt), or ToyRLHF-v0 (RLHF in miniature: --env-params mode=fluency|gold|proxy
+    vocab length seed n_labels). The defaults shown by --help are that env's defaults."""
     env_params: tuple[str, ...] = ()
     """Override the env's gymnax EnvParams, e.g. --env-params gravity=12.0 max_steps_in_episode=200
     (Brax: max_steps_in_episode, default 1000, and backend=generalized|positional|spring|mjx)."""
@@ -477,7 +486,20 @@ ACROBOT: dict[str, Any] = dict(
 )
 
 
+# RLHF in miniature: undiscounted (the reward of a response is its sum), no entropy bonus (the KL
+# leash is the regulariser, and the exact optimum pi*_beta is that of the leash alone).
+TOY_RLHF_DEFAULTS: dict[str, Any] = dict(
+    total_timesteps=500_000,
+    num_envs=64,
+    num_steps=16,  # two responses per env per rollout
+    update_epochs=4,
+    num_minibatches=4,
+    hparams=dict(lr=1e-3, gamma=1.0, gae_lambda=0.95, ent_coef=0.0),
+)
+
+
 ENV_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ToyRLHF-v0": TOY_RLHF_DEFAULTS,
     "CartPole-v1": CLASSIC_DISCRETE,
     "Acrobot-v1": ACROBOT,
     "MountainCar-v0": MOUNTAIN_CAR,
@@ -743,6 +765,7 @@ class TrainState:
     reward_stats: RunningStats  # of the per-env discounted return (for --scale-reward)
     discounted_return: jax.Array  # [N]
     kl_coef: jax.Array  # PPO-Penalty's beta, adapted after each update
+    ref_kl_coef: jax.Array  # the KL leash's beta: --ref-kl-coef, adapted after each update with --ref-kl-target
     reference: Policy  # the frozen pi_ref of the KL leash
     ref_hidden: jax.Array  # [N, H] pi_ref's recurrent state (a recurrent reference has its own memory)
     key: jax.Array
@@ -766,6 +789,7 @@ class Transition:  # every field time-major [T, N, ...]
     ref_kl: jax.Array  # exact KL[pi || pi_ref] at this state (0 with the leash off)
     episode_return: jax.Array  # raw return of the episode that ended here (where done)
     episode_length: jax.Array
+    episode_metrics: dict[str, jax.Array]  # the env's own end-of-episode figures (VecEnv.episode_metrics), where done
     ref_log_prob: jax.Array | None = None  # --ref-kl-in loss: log pi_ref(a|s) of the sampled action
     ref_dist: Any = None  # --ref-kl-in loss with --ref-kl-estimator full: pi_ref(.|s)
 
@@ -834,6 +858,7 @@ def step_envs(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: i
             ref_kl=None,
             episode_return=info["episode_return"],
             episode_length=info["episode_length"],
+            episode_metrics=info["episode_metrics"],
         )
         return (env_state, next_obs, hidden, jnp.where(done, 0.0, running_return)), transition
 
@@ -869,7 +894,7 @@ def process_rollout(state: TrainState, traj: Transition, env: VecEnv, network: A
     def off():  # the leash is off: pi_ref := pi
         return log_prob, jnp.zeros_like(log_prob), state.ref_hidden, traj.dist if keep_ref_dist else None
 
-    ref_log_prob, ref_kl, ref_hidden, ref_dist = jax.lax.cond(hparams.ref_kl_coef > 0, on, off)
+    ref_log_prob, ref_kl, ref_hidden, ref_dist = jax.lax.cond((hparams.ref_kl_coef > 0) | leash.measure, on, off)
     if leash.in_loss:  # ppo_loss carries the leash; the rewards do not
         penalty, traj = 0.0, traj.replace(ref_log_prob=ref_log_prob, ref_dist=ref_dist)
     else:
@@ -997,10 +1022,11 @@ class Leash:
 
     estimator: str = "k1"
     in_loss: bool = False
+    measure: bool = False  # measure KL[pi || pi_ref] even at --ref-kl-coef 0 (a loaded --ref-params)
 
     @classmethod
     def of(cls, config: Config) -> Leash:
-        return cls(config.ref_kl_estimator, config.ref_kl_in == "loss")
+        return cls(config.ref_kl_estimator, config.ref_kl_in == "loss", config.ref_params is not None)
 
 
 def value_loss(values, old_values, targets, clip_eps, clip_vloss):
@@ -1049,6 +1075,13 @@ def adaptive_kl_coef(kl_coef, kl, kl_target):
     return jnp.where(kl < kl_target / 1.5, kl_coef / 2.0, jnp.where(kl > kl_target * 1.5, kl_coef * 2.0, kl_coef))
 
 
+def adaptive_ref_kl_coef(ref_kl_coef, kl_seq, episodes, hparams: HParams):
+    """The leash's controller (Ziegler et al. 2019, Sec. 2.2; --ref-kl-target): a proportional step
+    towards the target KL per episode, clipped to +-20 %, scaled by the episodes seen over the horizon."""
+    error = jnp.clip(kl_seq / hparams.ref_kl_target - 1.0, -0.2, 0.2)
+    return ref_kl_coef * (1.0 + error * episodes / hparams.ref_kl_horizon)
+
+
 # --- the update: rollout, GAE, epochs of minibatch steps -----------------------------------------
 
 
@@ -1071,6 +1104,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     """One PPO iteration: rollout -> GAE -> update_epochs x num_minibatches gradient steps."""
     start_hidden = state.hidden
     leash = Leash.of(config)
+    hparams = hparams.replace(ref_kl_coef=state.ref_kl_coef)  # the leash's beta of this update
     state, traj = collect_rollout(state, env, network, config.num_steps, hparams, leash)
     advantages, targets = estimate_advantages(state.params, traj, config, env, network, hparams)
     parts = Parts.of(config, env)  # how the passes over the batch are split (speed and devices: Parts)
@@ -1100,7 +1134,16 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
 
     ended = traj.done.astype(jnp.float32)
     sums = parts.device_sum({"episodes": jnp.sum(ended), "return": jnp.sum(ended * traj.episode_return),
-                             "length": jnp.sum(ended * traj.episode_length), "ref_kl": jnp.mean(traj.ref_kl)})
+                             "length": jnp.sum(ended * traj.episode_length), "ref_kl": jnp.mean(traj.ref_kl),
+                             "ref_kl_sum": jnp.sum(traj.ref_kl),
+                             **{name: jnp.sum(ended * value) for name, value in traj.episode_metrics.items()}})
+    # The rollout's summed KL per episode ended: exactly the mean KL per episode when every episode
+    # lies within a rollout (fixed-length episodes), a renewal-reward estimate of it otherwise.
+    measured = (hparams.ref_kl_coef > 0) | leash.measure
+    ref_kl_seq = jnp.where(measured, sums["ref_kl_sum"] / sums["episodes"], jnp.nan)
+    ref_kl_coef = jnp.where((hparams.ref_kl_target > 0) & (sums["episodes"] > 0),
+                            adaptive_ref_kl_coef(state.ref_kl_coef, ref_kl_seq, sums["episodes"], hparams),
+                            state.ref_kl_coef)
     grad_steps = diagnostics.pop("grad_steps")
     metrics = {  # one scalar each; NaN return/length when no episode ended in this update
         "episode_return": sums["return"] / sums["episodes"],
@@ -1109,14 +1152,18 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
         **{name: jnp.mean(value) for name, value in diagnostics.items()},  # mean over epochs x minibatches
         "kl": kl,
         "kl_coef": state.kl_coef,  # the beta this update used
-        "ref_kl": jnp.where(hparams.ref_kl_coef > 0, sums["ref_kl"] / parts.shards, jnp.nan),  # mean over devices
+        "ref_kl": jnp.where(measured, sums["ref_kl"] / parts.shards, jnp.nan),  # mean over devices
+        "ref_kl_seq": ref_kl_seq,
+        "ref_kl_coef": state.ref_kl_coef,  # the leash's beta this update used
+        **{name: sums[name] / sums["episodes"] for name in traj.episode_metrics},  # the env's own (ToyRLHF-v0)
         "grad_steps": jnp.sum(grad_steps),
         "explained_variance": (explained_variance(batch.value, batch.targets) if network.critic
                                else jnp.float32(jnp.nan)),  # critic-free: no values
         "learning_rate": lr,
         "param_norm": jnp.sqrt(jnp.sum(flat_params**2)),  # after the update; non-finite: see the NaN guard
     }
-    state = state.replace(params=params, opt_state=opt_state, kl_coef=kl_coef, key=key, update=state.update + 1)
+    state = state.replace(params=params, opt_state=opt_state, kl_coef=kl_coef, ref_kl_coef=ref_kl_coef, key=key,
+                          update=state.update + 1)
     return state, metrics
 
 
@@ -1277,6 +1324,7 @@ def init_train_state(key, env: VecEnv, network: ActorCritic, tx, hparams: HParam
         reward_stats=RunningStats.zeros(),
         discounted_return=jnp.zeros(env.num_envs, jnp.float32),
         kl_coef=jnp.asarray(hparams.kl_coef, jnp.float32),
+        ref_kl_coef=jnp.asarray(hparams.ref_kl_coef, jnp.float32),
         reference=reference,
         ref_hidden=initial_hidden(network, env.num_envs),
         key=key,
@@ -1403,7 +1451,8 @@ class EnvState:
 
 def override_env_params(env_params, overrides: Sequence[str]):
     """Apply "name=value" overrides to a gymnax EnvParams, keeping each field's type (number or string)."""
-    fields = {field.name: getattr(env_params, field.name) for field in dataclasses.fields(env_params)}
+    fields = {field.name: getattr(env_params, field.name) for field in dataclasses.fields(env_params)
+              if getattr(env_params, field.name) is not None}  # (None: a table the env builds itself)
     changes = {}
     for item in overrides:
         name, _, text = item.partition("=")
@@ -1458,6 +1507,7 @@ class VecEnv:
         self.obs_shape = tuple(self.env.observation_space(self.env_params).shape)
         self.obs_dim = int(np.prod(self.obs_shape))
         self.own_step = type(self.env).step is not GymnaxEnvironment.step
+        self.episode_metrics = getattr(self.env, "episode_metrics", ())  # info entries reported where episodes end
 
     def _flat(self, obs):  # [..., *obs_shape] -> [..., obs_dim] float32
         batch_shape = obs.shape[:obs.ndim - len(self.obs_shape)]
@@ -1512,8 +1562,9 @@ class VecEnv:
                 self.env.step, in_axes=(0, 0, 0, None)
             )(keys, state.env_state, action, self.env_params)
             final_obs, obs = self._flat(info["final_observation"]), self._flat(obs)
+            env_info = info
         else:
-            final_obs, env_state, reward, terminated, _ = jax.vmap(
+            final_obs, env_state, reward, terminated, env_info = jax.vmap(
                 self.env.step_env, in_axes=(0, 0, 0, None)
             )(keys, state.env_state, action, self.env_params)
             truncated = jax.vmap(self.env.is_truncated, in_axes=(0, None))(env_state, self.env_params)
@@ -1535,6 +1586,7 @@ class VecEnv:
             "final_observation": final_obs,
             "episode_return": episode_return,  # meaningful where done
             "episode_length": episode_length,
+            "episode_metrics": {name: env_info[name].astype(jnp.float32) for name in self.episode_metrics},
         }
         state = EnvState(
             env_state,
@@ -1608,11 +1660,198 @@ def brax_names() -> list[str]:
     return sorted(brax_envs._envs)  # Brax's registry has no public listing
 
 
+# RLHF in miniature (README, "RLHF in miniature"): a response of `length` tokens from a vocabulary
+# of `vocab`, one token per step. A fixed random bigram "language" B, a gold preference and a proxy
+# reward model fitted to preferences labelled by the gold one; the reward is one of the three
+# (`mode`), and every episode reports all of them. All tables are built from `seed` (toy_rlhf_params).
+TOY_RLHF = "ToyRLHF-v0"
+
+
+TOY_RLHF_MODES = ("fluency", "gold", "proxy")
+
+
+@struct.dataclass
+class ToyRLHFParams(GymnaxEnvParams):
+    vocab: int = struct.field(pytree_node=False, default=16)
+    length: int = struct.field(pytree_node=False, default=8)
+    seed: int = struct.field(pytree_node=False, default=0)
+    mode: str = struct.field(pytree_node=False, default="proxy")  # the reward: fluency | gold | proxy
+    n_labels: int = struct.field(pytree_node=False, default=1000)  # preference pairs the proxy is fitted to
+    fluency_weight: float = struct.field(pytree_node=False, default=0.5)  # lambda of the gold reward
+    repeat_penalty: float = struct.field(pytree_node=False, default=3.0)  # B's logits of repeating a token are this much lower
+    max_steps_in_episode: int = struct.field(pytree_node=False, default=1 << 30)  # episodes end by termination alone
+    # Built by toy_rlhf_params (None until then):
+    log_bigram: jax.Array | None = None  # [V + 1, V] log B(next | previous); row V: the first token
+    gold_weights: jax.Array | None = None  # [V] w*: the gold value of each of the first two copies of a token
+    proxy_weights: jax.Array | None = None  # [V] the reward model's value of every copy of a token
+    gold_standard: jax.Array | None = None  # [2] mean and std of the raw gold reward under B
+    proxy_standard: jax.Array | None = None  # [2] the same for the proxy
+
+
+@struct.dataclass
+class ToyRLHFState(GymnaxEnvState):
+    tokens: jax.Array  # [L] int32, `vocab` where still empty
+
+
+def array_module(x):  # the env's tables and rewards serve the JAX env and the NumPy ground truth alike
+    return np if isinstance(x, np.ndarray) else jnp
+
+
+def bag_of_tokens(tokens, vocab: int):
+    """tokens [..., L] (vocab where empty) -> counts [..., V] float32."""
+    return (tokens[..., None] == array_module(tokens).arange(vocab)).sum(-2).astype(np.float32)
+
+
+def sequence_fluency(tokens, log_bigram):
+    """sum_t log B(y_t | y_{t-1}) over the filled tokens of [..., L] (y_{-1}: the start row)."""
+    xp, vocab = array_module(tokens), log_bigram.shape[1]
+    previous = xp.concatenate([xp.full_like(tokens[..., :1], vocab), tokens[..., :-1]], -1)
+    filled = tokens < vocab
+    return xp.where(filled, log_bigram[previous, xp.minimum(tokens, vocab - 1)], 0.0).sum(-1)
+
+
+def gold_reward(tokens, p: ToyRLHFParams, standard=None):
+    """The true preference of [..., L] responses: sum_v w*_v min(c_v, 2) + lambda * fluency (it
+    values fluency and saturates on repetition), standardised to mean 0, std 1 under B."""
+    counts = bag_of_tokens(tokens, p.vocab)
+    raw = array_module(tokens).minimum(counts, 2.0) @ p.gold_weights + p.fluency_weight * sequence_fluency(
+        tokens, p.log_bigram)
+    mean, std = p.gold_standard if standard is None else standard
+    return (raw - mean) / std
+
+
+def proxy_reward(tokens, p: ToyRLHFParams, standard=None):
+    """The reward model: w_hat . c (bag of tokens: blind to order and fluency, and it never saturates),
+    standardised under B."""
+    mean, std = p.proxy_standard if standard is None else standard
+    return (bag_of_tokens(tokens, p.vocab) @ p.proxy_weights - mean) / std
+
+
+def sample_bigram(rng: np.random.Generator, log_bigram, length: int, num: int) -> np.ndarray:
+    """num responses drawn from B -> tokens [num, L] int32 (inverse CDF, one uniform per token)."""
+    cdf = np.cumsum(np.exp(np.asarray(log_bigram, np.float64)), axis=1)
+    tokens = [np.full(num, cdf.shape[1], np.int32)]  # the start row
+    for _ in range(length):
+        below = cdf[tokens[-1]] < rng.random(num)[:, None] * cdf[tokens[-1], -1:]
+        tokens.append(below.sum(1).astype(np.int32))
+    return np.stack(tokens[1:], 1)
+
+
+def fit_bradley_terry(features, labels, l2: float = 1e-2, iterations: int = 30) -> np.ndarray:
+    """Bradley-Terry reward model: logistic regression of labels [n] (1: the first response is
+    preferred) on feature differences [n, V], P(first preferred) = sigmoid(w . x), with an L2 term
+    (bag-of-tokens counts sum to L, so w is otherwise fixed only up to a constant); Newton's method
+    in float64."""
+    features, labels = np.asarray(features, np.float64), np.asarray(labels, np.float64)
+    w = np.zeros(features.shape[1])
+    for _ in range(iterations):
+        p = 1.0 / (1.0 + np.exp(-(features @ w)))
+        grad = features.T @ (p - labels) / len(labels) + l2 * w
+        hessian = (features.T * (p * (1 - p))) @ features / len(labels) + l2 * np.eye(len(w))
+        w = w - np.linalg.solve(hessian, grad)
+    return w
+
+
+STANDARDISING_SAMPLES = 1 << 14  # responses from B over which the gold and proxy rewards are standardised
+
+
+@functools.lru_cache(maxsize=8)
+def toy_rlhf_params(overrides: tuple[str, ...] = ()) -> ToyRLHFParams:
+    """ToyRLHF-v0's EnvParams with its tables, built deterministically from `seed` (NumPy's PCG64, in
+    milliseconds; the same ops in eager JAX took seconds): B's logits standard normal x 2, the
+    diagonal lowered by repeat_penalty (a language that rarely repeats a token); w* standard normal;
+    then the proxy, fitted to n_labels pairs of responses from B whose labels are drawn from the gold
+    Bradley-Terry model, P(y1 preferred to y2) = sigmoid(gold(y1) - gold(y2))."""
+    p = override_env_params(ToyRLHFParams(), overrides)
+    if p.vocab < 2 or p.length < 1 or p.n_labels < 1 or p.mode not in TOY_RLHF_MODES:
+        raise ConfigError(f"--env-params: {TOY_RLHF} needs vocab >= 2, length >= 1, n_labels >= 1 and mode one of "
+                          f"{', '.join(TOY_RLHF_MODES)} (got vocab={p.vocab} length={p.length} n_labels={p.n_labels} "
+                          f"mode={p.mode})")
+    rng, v = np.random.default_rng(p.seed), p.vocab
+    logits = 2.0 * rng.standard_normal((v + 1, v)) - p.repeat_penalty * np.eye(v + 1, v)
+    log_bigram = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    p = p.replace(log_bigram=log_bigram.astype(np.float32), gold_weights=rng.standard_normal(v).astype(np.float32))
+    pool = sample_bigram(rng, p.log_bigram, p.length, STANDARDISING_SAMPLES)
+    raw = gold_reward(pool, p, standard=(0.0, 1.0))
+    p = p.replace(gold_standard=np.array([raw.mean(), raw.std()], np.float32))
+    first, second = (sample_bigram(rng, p.log_bigram, p.length, p.n_labels) for _ in range(2))
+    preferred = rng.random(p.n_labels) < 1.0 / (1.0 + np.exp(gold_reward(second, p) - gold_reward(first, p)))
+    weights = fit_bradley_terry(bag_of_tokens(first, v) - bag_of_tokens(second, v), preferred).astype(np.float32)
+    raw = bag_of_tokens(pool, v) @ weights
+    return p.replace(proxy_weights=weights, proxy_standard=np.array([raw.mean(), raw.std()], np.float32))
+
+
+class ToyRLHF(GymnaxEnvironment):
+    """The response so far is the observation: one-hot tokens per slot (zeros where empty), then the
+    position one-hot; the action is the next token; the episode terminates after `length` tokens.
+    The reward of a step is the step's share of the mode's sequence reward (they sum to it); every
+    step's info holds the response's gold_reward, proxy_reward, fluency and repeat_frac
+    (the fraction of its tokens that repeat an earlier one, normalised to 1 for a single repeated
+    token), which become metrics at the step an episode ends."""
+
+    episode_metrics = ("gold_reward", "proxy_reward", "fluency", "repeat_frac")
+
+    @property
+    def default_params(self) -> ToyRLHFParams:
+        return toy_rlhf_params()
+
+    def reset_env(self, key, params: ToyRLHFParams):
+        state = ToyRLHFState(time=jnp.zeros((), jnp.int32), tokens=jnp.full(params.length, params.vocab, jnp.int32))
+        return self.get_obs(state, params), state
+
+    def get_obs(self, state: ToyRLHFState, params: ToyRLHFParams, key=None):
+        slots = jax.nn.one_hot(state.tokens, params.vocab, dtype=jnp.float32).reshape(-1)
+        return jnp.concatenate([slots, jax.nn.one_hot(state.time, params.length, dtype=jnp.float32)])
+
+    def step_env(self, key, state: ToyRLHFState, action, params: ToyRLHFParams):
+        params = jax.tree.map(jnp.asarray, params)  # the tables are NumPy arrays (toy_rlhf_params)
+        v, length = params.vocab, params.length
+        t = state.time
+        previous = jnp.where(t > 0, state.tokens[jnp.maximum(t - 1, 0)], v)
+        fluency = params.log_bigram[previous, action]
+        if params.mode == "fluency":
+            reward = fluency
+        elif params.mode == "gold":  # w*_a for the first two copies of a, lambda * log B, and the mean spread over L
+            copies = jnp.sum(state.tokens == action)
+            mean, std = params.gold_standard
+            reward = (jnp.where(copies < 2, params.gold_weights[action], 0.0) + params.fluency_weight * fluency
+                      - mean / length) / std
+        else:
+            mean, std = params.proxy_standard
+            reward = (params.proxy_weights[action] - mean / length) / std
+        tokens = state.tokens.at[t].set(action)
+        state = ToyRLHFState(time=t + 1, tokens=tokens)
+        distinct = jnp.sum(bag_of_tokens(tokens, v) > 0)
+        info = {
+            "gold_reward": gold_reward(tokens, params),
+            "proxy_reward": proxy_reward(tokens, params),
+            "fluency": sequence_fluency(tokens, params.log_bigram),
+            "repeat_frac": (t + 1 - distinct) / jnp.maximum(t, 1),
+        }
+        return self.get_obs(state, params), state, reward.astype(jnp.float32), t + 1 >= length, info
+
+    @property
+    def name(self) -> str:
+        return TOY_RLHF
+
+    @property
+    def num_actions(self) -> int:
+        return self.default_params.vocab
+
+    def action_space(self, params: ToyRLHFParams):
+        return spaces.Discrete(params.vocab)
+
+    def observation_space(self, params: ToyRLHFParams):
+        return spaces.Box(0.0, 1.0, (params.length * (params.vocab + 1),), jnp.float32)
+
+
 def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
     """(env, env_params) for a gymnax id or `brax:NAME`, with the --env-params overrides applied."""
     if env_id.startswith(BRAX_PREFIX):
         params = override_env_params(BraxEnvParams(), overrides)
         return BraxEnv(env_id[len(BRAX_PREFIX):], params.backend), params
+    if env_id == TOY_RLHF:
+        return ToyRLHF(), toy_rlhf_params(tuple(overrides))
     env, params = gymnax.make(env_id)
     return env, override_env_params(params, overrides)
 
@@ -1628,6 +1867,7 @@ FIXED_EPISODE_LENGTH = {
     "SimpleBandit-bsuite": lambda env, p: 1,
     "BernoulliBandit-misc": lambda env, p: p.max_steps_in_episode,
     "GaussianBandit-misc": lambda env, p: p.max_steps_in_episode,
+    TOY_RLHF: lambda env, p: p.length,
 }
 
 
@@ -1651,8 +1891,10 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
         backend = override_env_params(BraxEnvParams(), overrides).backend
         if backend not in BRAX_BACKENDS:
             raise ConfigError(f"--env-params backend={backend}: Brax's backends are {', '.join(BRAX_BACKENDS)}")
+    elif env_id == TOY_RLHF:
+        toy_rlhf_params(tuple(overrides))
     elif env_id not in gymnax.registered_envs:
-        close = difflib.get_close_matches(env_id, gymnax.registered_envs, n=3, cutoff=0.5)
+        close = difflib.get_close_matches(env_id, [*gymnax.registered_envs, TOY_RLHF], n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, or brax:NAME"
         raise ConfigError(f"--env {env_id!r} is not a gymnax environment: {hint}")
 
@@ -1693,8 +1935,8 @@ def validate_hparams(h: HParams, where: str = "") -> None:
     for name in ("gamma", "gae_lambda"):
         if not 0.0 <= getattr(h, name) <= 1.0:
             bad(f"{flag(name)} {getattr(h, name)}: must be in [0, 1]")
-    for name in ("clip_eps", "clip_eps_high", "kl_coef", "kl_target", "ref_kl_coef", "target_kl", "ent_coef",
-                 "vf_coef", "adam_eps"):
+    for name in ("clip_eps", "clip_eps_high", "kl_coef", "kl_target", "ref_kl_coef", "ref_kl_target", "target_kl",
+                 "ent_coef", "vf_coef", "adam_eps"):
         if not getattr(h, name) >= 0:
             bad(f"{flag(name)} {getattr(h, name)}: must be >= 0")
     for name in ("max_grad_norm", "clip_obs", "clip_reward"):
@@ -1708,6 +1950,11 @@ def validate_hparams(h: HParams, where: str = "") -> None:
     if h.kl_target > 0 and h.kl_coef == 0:
         bad(f"--kl-target {h.kl_target} adapts beta, but --kl-coef is 0 and would stay 0: "
             "give a starting beta, e.g. --kl-coef 1")
+    if not h.ref_kl_horizon > 0:
+        bad(f"--ref-kl-horizon {h.ref_kl_horizon}: must be > 0 (episodes)")
+    if h.ref_kl_target > 0 and h.ref_kl_coef == 0:
+        bad(f"--ref-kl-target {h.ref_kl_target} adapts the leash's beta, but --ref-kl-coef is 0 and would stay 0: "
+            "give a starting beta, e.g. --ref-kl-coef 0.1")
 
 
 def check_run_dir_is_new(run_dir: str | None) -> None:
@@ -1970,7 +2217,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     env_leaves = PartitionSpec("batch", ENV_AXIS)  # [agents, envs, ...]
     state_specs = TrainState(  # a prefix of the state's tree: each field's leaves alike
         params=batched, opt_state=batched, env_state=env_leaves, obs=env_leaves, hidden=env_leaves,
-        obs_stats=batched, reward_stats=batched, discounted_return=env_leaves, kl_coef=batched,
+        obs_stats=batched, reward_stats=batched, discounted_return=env_leaves, kl_coef=batched, ref_kl_coef=batched,
         reference=batched, ref_hidden=env_leaves, key=batched, update=batched)
     if num_devices == 1:
         # One device (the usual CPU case): a plain jit, no sharding machinery.
@@ -2039,7 +2286,10 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
                 states[i], chunk_metrics = call_interruptibly(advance_to_host, states[i], group_hparams[i], active)
                 parts.append(chunk_metrics)
             new = jax.tree.map(lambda *p: np.concatenate(p)[:size, :num_active], *parts)
-            metrics = new if metrics is None else jax.tree.map(lambda a, b: np.concatenate([a, b], 1), metrics, new)
+            if metrics is not None:  # (an older checkpoint's lack metrics added since: NaN before the resume)
+                metrics = {name: np.concatenate([metrics.get(name, np.full((size, done), np.nan, np.float32)),
+                                                 new[name]], 1) for name in new}
+            metrics = new if metrics is None else metrics
             done += num_active
             stop = on_chunk and on_chunk(done, with_env_steps(metrics, config.batch_size), lambda: host_state(states))
         seconds.append(time.perf_counter() - run_start)
@@ -2844,6 +3094,8 @@ def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]
             write_csv(os.path.join(run_dir, "aggregates.csv"), rows)
             plot(plot_scores, run_dir, sweep, scores, estimates, intervals)
             text += "\n" + score_text
+        if settings[-1].config.env == TOY_RLHF:
+            text += "\n" + write_rlhf_outputs(run_dir, sweep, settings)
     return text
 
 
@@ -2925,11 +3177,12 @@ TABLE_COLUMNS = (  # (metric, header, format)
 )
 
 
-def final_return(metrics: dict[str, np.ndarray], fraction: float = 0.1) -> np.ndarray:
-    """Per seed: mean return of the episodes that ended in the last `fraction` of updates."""
-    num_updates = metrics["episode_return"].shape[1]
+def final_return(metrics: dict[str, np.ndarray], fraction: float = 0.1, name: str = "episode_return") -> np.ndarray:
+    """Per seed: mean return (or another per-episode metric) of the episodes that ended in the last
+    `fraction` of updates."""
+    num_updates = metrics[name].shape[1]
     tail = slice(num_updates - max(1, int(num_updates * fraction)), None)
-    returns, counts = metrics["episode_return"][:, tail], metrics["episodes"][:, tail]
+    returns, counts = metrics[name][:, tail], metrics["episodes"][:, tail]
     with np.errstate(invalid="ignore"):  # NaN where no episode ended in the tail
         return np.sum(np.where(counts > 0, returns * counts, 0.0), axis=1) / np.sum(counts, axis=1)
 
@@ -3004,9 +3257,13 @@ def append_metrics_csv(path: str, metrics: dict[str, np.ndarray]) -> None:
     writer = csv.writer(buffer)
     if not os.path.exists(path):
         writer.writerow(["update", "seed"] + names)
+    else:  # its own columns: a run begun by an older ppo_jax, resumed, lacks the metrics added since
+        with open(path, newline="") as f:
+            names = next(csv.reader(f), ["update", "seed"] + names)[2:]
+    missing = np.full((num_seeds, num_updates), np.nan, np.float32)
     for update in range(first, num_updates):
         for seed in range(num_seeds):
-            row = [metrics[name][seed, update] for name in names]
+            row = [metrics.get(name, missing)[seed, update] for name in names]
             writer.writerow([update + 1, seed] + [f"{v:.9g}" if isinstance(v, float | np.floating) else v for v in row])
     size = os.path.getsize(path) if os.path.exists(path) else 0
     with writing(path):
@@ -3209,6 +3466,8 @@ def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
     for name, leaf in want.items():
         if name not in found and math.prod(leaf.shape) == 0:  # a feedforward policy's [N, 0] recurrent
             found[name] = np.zeros(leaf.shape, leaf.dtype)   # state, which older checkpoints lack
+        if name == "ref_kl_coef" and name not in found:  # older checkpoints: the leash's beta never moved
+            found[name] = np.full(leaf.shape, config.hparams.ref_kl_coef, leaf.dtype)
         value = found.get(name)
         if not isinstance(value, np.ndarray) or value.shape != leaf.shape or value.dtype != leaf.dtype:
             got = "nothing" if value is None else f"{np.shape(value)} {getattr(value, 'dtype', type(value).__name__)}"
@@ -3567,7 +3826,267 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
 
 
 # ================================================================================================
-# 8. Command line
+# 8. RLHF in miniature: the exact KL-regularised optimum, best-of-n, and the over-optimisation figure
+# ================================================================================================
+
+
+def toy_rlhf_tables(p: ToyRLHFParams) -> dict[str, np.ndarray]:
+    """The env's tables in float64, and each token's per-step proxy reward (standardised: a response's
+    proxy reward is the sum over its tokens)."""
+    mean, std = np.asarray(p.proxy_standard, np.float64)
+    return {"log_bigram": np.asarray(p.log_bigram, np.float64), "gold_weights": np.asarray(p.gold_weights, np.float64),
+            "gold_standard": np.asarray(p.gold_standard, np.float64),
+            "proxy_token": (np.asarray(p.proxy_weights, np.float64) - mean / p.length) / std}
+
+
+def optimal_policy(p: ToyRLHFParams, beta: float) -> np.ndarray:
+    """pi*_beta(y) ∝ B(y) exp(proxy(y) / beta), the optimum of E[proxy] - beta KL[pi || B] (Korbak et al.
+    2022, arXiv:2205.11275), as conditionals [L, V + 1, V] (position, previous token or the start row V,
+    next token). Because the proxy is a sum over tokens and B is Markov, it is Markov too, by a backward
+    recursion over positions: log Z_t(prev) = logsumexp_v [log B(v | prev) + r(v) / beta + log Z_{t+1}(v)],
+    pi*(v | prev, t) = exp(log B(v | prev) + r(v) / beta + log Z_{t+1}(v) - log Z_t(prev))."""
+    tables = toy_rlhf_tables(p)
+    log_bigram, reward = tables["log_bigram"], tables["proxy_token"]
+    log_z_next = np.zeros(p.vocab)  # log Z_L = 0
+    conditionals = np.zeros((p.length, p.vocab + 1, p.vocab))
+    for t in reversed(range(p.length)):
+        scores = log_bigram + reward / beta + log_z_next  # [V + 1, V]
+        log_z = np.logaddexp.reduce(scores, axis=1)
+        conditionals[t] = np.exp(scores - log_z[:, None])
+        log_z_next = log_z[:p.vocab]
+    return conditionals
+
+
+def markov_expectations(p: ToyRLHFParams, conditionals: np.ndarray) -> dict[str, float]:
+    """Exact expectations over responses of the Markov policy `conditionals` [L, V + 1, V]: gold and
+    proxy reward, fluency, and KL[pi || B] per response. Gold's saturating term needs each token's
+    count capped at 2: a forward pass over (previous token, capped count) per token."""
+    tables = toy_rlhf_tables(p)
+    log_bigram, v = tables["log_bigram"], p.vocab
+    start = np.zeros(v + 1)
+    start[v] = 1.0
+    previous, proxy, fluency, kl = start, 0.0, 0.0, 0.0
+    for t in range(p.length):
+        pi = conditionals[t]
+        proxy += previous @ pi @ tables["proxy_token"]
+        fluency += previous @ np.sum(pi * log_bigram, axis=1)
+        kl += previous @ np.sum(pi * (np.log(np.maximum(pi, 1e-300)) - log_bigram), axis=1)
+        previous = np.append(previous @ pi, 0.0)
+    saturating = 0.0
+    for token in range(v):  # E[min(c_token, 2)]: a distribution over (previous token, count capped at 2)
+        state = np.zeros((v + 1, 3))
+        state[v, 0] = 1.0
+        for t in range(p.length):
+            moved = np.einsum("pc,pv->vc", state, conditionals[t])  # [V, 3]
+            hit = moved[token].copy()
+            moved[token] = 0.0
+            moved[token, 1:] += hit[:2]
+            moved[token, 2] += hit[2]
+            state = np.vstack([moved, np.zeros((1, 3))])
+        saturating += tables["gold_weights"][token] * (state.sum(0) @ np.array([0.0, 1.0, 2.0]))
+    mean, std = tables["gold_standard"]
+    gold = (float(saturating) + p.fluency_weight * fluency - mean) / std
+    return {"gold_reward": float(gold), "proxy_reward": float(proxy), "fluency": float(fluency), "kl": float(kl)}
+
+
+def best_of_n(p: ToyRLHFParams, ns: Sequence[int], samples: int = 1 << 16, seed: int = 1):
+    """Best-of-n against the proxy from B: for each n, the expected gold and proxy reward of the
+    response with the highest proxy reward of n drawn from B, by the unbiased order-statistics
+    estimator over one pool of `samples` responses (Nakano et al. 2021, Appendix), ties broken at
+    random; and its KL[pi_n || B] = log n - (n - 1) / n (Stiennon et al. 2020's bound, exact for distinct
+    rewards)."""
+    rng = np.random.default_rng(seed)
+    pool = sample_bigram(rng, p.log_bigram, p.length, samples)
+    proxy, gold = proxy_reward(pool, p).astype(np.float64), gold_reward(pool, p).astype(np.float64)
+    order = np.lexsort((rng.random(samples), proxy))  # by proxy, ties at random
+    proxy, gold = proxy[order], gold[order]
+    from scipy.special import gammaln
+
+    rank = np.arange(1, samples + 1)  # the i-th smallest is the best of n with probability C(i-1, n-1) / C(M, n)
+    rows = []
+    for n in ns:
+        log_weight = (gammaln(rank) - gammaln(n) - gammaln(rank - n + 1)) - (
+            gammaln(samples + 1) - gammaln(n + 1) - gammaln(samples - n + 1))
+        weight = np.where(rank >= n, np.exp(np.where(rank >= n, log_weight, 0.0)), 0.0)
+        rows.append({"n": int(n), "kl": math.log(n) - (n - 1) / n, "gold_reward": float(weight @ gold),
+                     "proxy_reward": float(weight @ proxy)})
+    return rows
+
+
+def policy_responses(config: Config, policies: Policy, num: int, seed: int = 0):
+    """num responses sampled from each seed's trained ToyRLHF-v0 policy (leaves [seeds, ...]) ->
+    (tokens [seeds, num, L], log pi(y) [seeds, num]): one jitted program, vmapped over seeds."""
+    env = make_env(dataclasses.replace(config, num_envs=num))
+    network, p = make_network(config, env), env.env_params
+    get_obs = jax.vmap(env.env.get_obs, in_axes=(0, None))
+
+    def responses(policy: Policy, key):
+        tokens = jnp.full((num, p.length), p.vocab, jnp.int32)
+        hidden, log_prob = initial_hidden(network, num), jnp.zeros(num)
+        for t, key in enumerate(jax.random.split(key, p.length)):
+            obs = get_obs(ToyRLHFState(time=jnp.full(num, t), tokens=tokens), p)
+            hidden, dist, _ = policy_step(network, policy.params, observe(policy.obs_stats, obs, config.hparams),
+                                          jnp.full(num, t == 0), hidden)
+            action = dist.sample_from(Categorical.noise(key, (num, env.action_dim)))
+            log_prob, tokens = log_prob + dist.log_prob(action), tokens.at[:, t].set(action)
+        return tokens, log_prob
+
+    seeds = len(policies.obs_stats.count)
+    return jax.jit(jax.vmap(responses))(policies, jax.random.split(jax.random.PRNGKey(seed), seeds))
+
+
+def kl_to_language(run_dir: str, num: int = 1 << 14) -> np.ndarray:
+    """KL[pi || B] per response of each seed of a ToyRLHF-v0 run's final policy (e.g. a reference
+    pretrained on fluency), by Monte Carlo over num responses: E_pi[log pi(y) - log B(y)]."""
+    config = load_run_config(run_dir, "kl_to_language")
+    env = make_env(config)
+    policies = read_policies(config, env, make_network(config, env), os.path.join(run_dir, "params.msgpack"),
+                             f"kl_to_language {run_dir}:")
+    tokens, log_prob = policy_responses(config, policies, num)
+    return np.mean(np.asarray(log_prob, np.float64) - sequence_fluency(np.asarray(tokens), env.env_params.log_bigram),
+                   axis=1)
+
+
+def exact_frontier(p: ToyRLHFParams, betas: Sequence[float] = tuple(np.logspace(-2, 1.5, 36)),
+                   ns: Sequence[int] = tuple(2**k for k in range(11))) -> dict[str, list[dict]]:
+    """The ground truth the PPO runs are measured against: {"optimum": gold, proxy, fluency and KL of
+    pi*_beta for each beta, "best_of_n": the same for n = 1 ... 1024}."""
+    optimum = [{"beta": float(beta), **markov_expectations(p, optimal_policy(p, beta))} for beta in betas]
+    return {"optimum": optimum, "best_of_n": best_of_n(p, ns)}
+
+
+def gao_fit(d: np.ndarray, gain: np.ndarray, form: str) -> dict[str, float]:
+    """Least-squares fit of Gao et al. 2022's (arXiv:2210.10760) gold-reward forms to gains over the
+    reference at d = sqrt(KL): "rl" gain = d (alpha - beta log d), "bon" gain = d (alpha - beta d);
+    -> alpha, beta, R^2 and the points fitted."""
+    keep = np.isfinite(d) & np.isfinite(gain) & (d > 0)
+    d, gain = d[keep], gain[keep]
+    basis = np.stack([d, -d * np.log(d) if form == "rl" else -d * d], 1)
+    (alpha, beta), *_ = np.linalg.lstsq(basis, gain, rcond=None)
+    residual = gain - basis @ np.array([alpha, beta])
+    r2 = 1.0 - np.sum(residual**2) / np.sum((gain - gain.mean()) ** 2)
+    return {"alpha": float(alpha), "beta": float(beta), "r2": float(r2), "points": int(len(d))}
+
+
+def objective_label(point: dict[str, Any]) -> str:  # the sweep point without its leash coefficient
+    return ", ".join(f"{k}={format_value(v)}" for k, v in point.items() if k != "ref_kl_coef") or "base"
+
+
+def rlhf_endpoints(sweep: Sweep, settings: list[SweepSetting]) -> list[dict[str, Any]]:
+    """One row per setting x point x seed of a ToyRLHF-v0 sweep: where each run ended (gold, proxy,
+    KL per response, repeat_frac over the last 10 % of updates) and its gold at the first update."""
+    rows = []
+    for i, setting in enumerate(settings):
+        metrics, config = setting.result.metrics, setting.config
+        final = {name: final_return(metrics, name=name).reshape(-1, config.num_seeds)
+                 for name in ("gold_reward", "proxy_reward", "ref_kl_seq", "repeat_frac")}
+        first_gold = metrics["gold_reward"][:, 0].reshape(-1, config.num_seeds)
+        for p, point in enumerate(sweep.points):
+            for seed in range(config.num_seeds):
+                rows.append({"setting": f"{config.adv_estimator}, {config.update_epochs} epochs", "setting_index": i,
+                             "objective": objective_label(point),
+                             "ref_kl_coef": float(point.get("ref_kl_coef", config.hparams.ref_kl_coef)), "seed": seed,
+                             **{name: float(values[p, seed]) for name, values in final.items()},
+                             "start_gold": float(first_gold[p, seed])})
+    return rows
+
+
+def write_rlhf_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> str:
+    """A ToyRLHF-v0 sweep's over-optimisation outputs: rlhf_endpoints.csv, rlhf_frontier.csv (the
+    exact pi*_beta and best-of-n curves), rlhf_fits.csv (Gao et al.'s forms fitted to each setting and
+    objective's end points, and to best-of-n) and rlhf.png; returns the printed summary."""
+    env_params = make_env(settings[0].config).env_params
+    frontier = exact_frontier(env_params)
+    endpoints = rlhf_endpoints(sweep, settings)
+    exact = {coef: markov_expectations(env_params, optimal_policy(env_params, coef))
+             for coef in {row["ref_kl_coef"] for row in endpoints} if coef > 0}
+    for row in endpoints:  # pi*_beta at the run's own coefficient (k1 in the reward: the same objective)
+        optimum = exact.get(row["ref_kl_coef"], {})
+        row.update({f"exact_{name}": optimum.get(name, math.nan) for name in ("gold_reward", "proxy_reward", "kl")})
+    columns = list(endpoints[0])
+    write_csv(os.path.join(run_dir, "rlhf_endpoints.csv"), [columns] + [[row[c] for c in columns] for row in endpoints])
+    curve = [["curve", "beta_or_n", "kl", "gold_reward", "proxy_reward"]]
+    curve += [["optimum", r["beta"], r["kl"], r["gold_reward"], r["proxy_reward"]] for r in frontier["optimum"]]
+    curve += [["best_of_n", r["n"], r["kl"], r["gold_reward"], r["proxy_reward"]] for r in frontier["best_of_n"]]
+    write_csv(os.path.join(run_dir, "rlhf_frontier.csv"), curve)
+    fits, groups = [["fit", "form", "alpha", "beta", "r2", "points"]], {}
+    for row in endpoints:
+        groups.setdefault((row["setting"], row["objective"]), []).append(row)
+    for (setting, objective), rows in groups.items():
+        d = np.sqrt(np.maximum([r["ref_kl_seq"] for r in rows], 0.0))
+        fit = gao_fit(d, np.array([r["gold_reward"] - r["start_gold"] for r in rows]), "rl")
+        fits.append([f"PPO {setting}, {objective}", "rl", *fit.values()])
+    bon = frontier["best_of_n"]
+    fit = gao_fit(np.sqrt([r["kl"] for r in bon]), np.array([r["gold_reward"] - bon[0]["gold_reward"] for r in bon]),
+                  "bon")
+    fits.append(["best-of-n (exact)", "bon", *fit.values()])
+    write_csv(os.path.join(run_dir, "rlhf_fits.csv"), fits)
+    plot(plot_rlhf, run_dir, frontier, endpoints, settings)
+    closeness = []  # per setting and objective: PPO's mean end point against pi*_beta, median over coefficients
+    for (setting, objective), rows in groups.items():
+        ratios = [(np.mean([r[name] for r in rows if r["ref_kl_coef"] == coef]) / exact[coef][key]) - 1
+                  for coef in exact for name, key in (("ref_kl_seq", "kl"), ("proxy_reward", "proxy_reward"))]
+        closeness.append(f"{setting}, {objective}: {np.median(np.abs(ratios)):.0%}")
+    peak = max(frontier["optimum"], key=lambda r: r["gold_reward"])
+    lines = [f"RLHF in miniature: exact pi*_beta's gold peaks at {peak['gold_reward']:.2f} (beta {peak['beta']:.3g}, "
+             f"KL {peak['kl']:.2f}); at beta -> 0 it is {frontier['optimum'][0]['gold_reward']:.2f} (KL "
+             f"{frontier['optimum'][0]['kl']:.1f}). Gao et al.'s forms (R^2): "
+             + "; ".join(f"{row[0]} {row[4]:.2f}" for row in fits[1:]),
+             "End points against pi*_beta at the same coefficient (median |KL and proxy / exact - 1|): "
+             + "; ".join(closeness),
+             f"outputs: rlhf.png, rlhf_endpoints.csv, rlhf_frontier.csv, rlhf_fits.csv"]
+    return "\n".join(lines)
+
+
+def plot_rlhf(run_dir: str, frontier: dict[str, list[dict]], endpoints: list[dict], settings: list[SweepSetting]):
+    """rlhf.png. Top: gold and proxy reward against sqrt(KL[pi || pi_ref]): the exact pi*_beta and
+    best-of-n curves, each PPO run's end point (coloured by the leash's coefficient, one marker per
+    setting and objective), and the first setting's unleashed run over its updates. Bottom: the final
+    gold, proxy and KL against the coefficient (mean over seeds; colour: setting, line: objective)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9.5))
+    coefs = sorted({row["ref_kl_coef"] for row in endpoints})
+    shades = plt.get_cmap("viridis")(np.linspace(0, 0.9, len(coefs)))
+    groups = list(dict.fromkeys((row["setting"], row["objective"]) for row in endpoints))
+    setting_names = list(dict.fromkeys(row["setting"] for row in endpoints))
+    objectives = list(dict.fromkeys(row["objective"] for row in endpoints))
+    markers, styles = "os^vDPX*<>", ["-", "--", ":", "-."]
+    unleashed = [i for i, row in enumerate(endpoints) if row["setting_index"] == 0 and row["ref_kl_coef"] == 0]
+    for ax, name in ((axes[0, 0], "gold_reward"), (axes[0, 1], "proxy_reward")):
+        for curve, style, label in (("optimum", "-", "exact $\\pi^*_\\beta$"), ("best_of_n", "--", "best-of-n (exact)")):
+            rows = frontier[curve]
+            ax.plot(np.sqrt([r["kl"] for r in rows]), [r[name] for r in rows], style, color="k", lw=1.5, label=label)
+        for g, group in enumerate(groups):
+            rows = [r for r in endpoints if (r["setting"], r["objective"]) == group]
+            ax.scatter(np.sqrt(np.maximum([r["ref_kl_seq"] for r in rows], 0)), [r[name] for r in rows], s=14,
+                       c=[shades[coefs.index(r["ref_kl_coef"])] for r in rows], marker=markers[g % len(markers)],
+                       alpha=0.7, label=f"{group[0]}, {group[1]}")
+        if unleashed:  # over the updates: proxy rises while gold rises, peaks and falls
+            metrics, agent = settings[0].result.metrics, unleashed[0]  # rows are agents in the batch's order
+            ax.plot(np.sqrt(np.maximum(metrics["ref_kl_seq"][agent], 0)), metrics[name][agent], color="tab:red",
+                    lw=0.8, alpha=0.8, label="no leash, over its updates")
+        ax.axhline(0.0, color="grey", lw=0.5)
+        ax.set_xlabel("$\\sqrt{KL[\\pi \\| \\pi_{ref}]}$ (nats per response)")
+        ax.set_title(name.replace("_", " ") + " (end points coloured by --ref-kl-coef, light: larger)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    axes[0, 2].legend(handles, labels, fontsize=7, loc="center left")
+    axes[0, 2].axis("off")
+    for ax, name in zip(axes[1], ("gold_reward", "proxy_reward", "ref_kl_seq")):
+        for group in groups:
+            rows = [r for r in endpoints if (r["setting"], r["objective"]) == group]
+            mean = [np.nanmean([r[name] for r in rows if r["ref_kl_coef"] == c]) for c in coefs]
+            ax.plot(coefs, mean, marker="o", ms=3, lw=1, color=f"C{setting_names.index(group[0])}",
+                    ls=styles[objectives.index(group[1]) % len(styles)], label=f"{group[0]}, {group[1]}")
+        ax.set_xscale("symlog", linthresh=min([c for c in coefs if c > 0], default=0.01))
+        ax.set_xlabel("--ref-kl-coef")
+        ax.set_title("final " + ("KL per response" if name == "ref_kl_seq" else name.replace("_", " ")))
+    axes[1, 2].legend(fontsize=6, loc="upper right")
+    fig.tight_layout()
+    save_figure(fig, os.path.join(run_dir, "rlhf.png"), dpi=100)
+
+# ================================================================================================
+# 9. Command line
 # ================================================================================================
 
 
@@ -3956,7 +4475,7 @@ def run_command(config: Config, argv: list[str]):
 
 
 # ================================================================================================
-# 9. Speed and devices: how the core's plain names run fast on a CPU and across devices. Each
+# 10. Speed and devices: how the core's plain names run fast on a CPU and across devices. Each
 #    device says why it is here; what it measured is in docs/speed.md.
 # ================================================================================================
 

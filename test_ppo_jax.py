@@ -34,6 +34,7 @@ import jax.flatten_util  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import scipy.optimize  # noqa: E402
 import scipy.stats  # noqa: E402
 from flax import serialization  # noqa: E402
 
@@ -629,13 +630,15 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
         if h.scale_reward:
             rewards = rewards / np.sqrt(reward_var + 1e-8)
         rewards = np.clip(rewards, -h.clip_reward, h.clip_reward)
-        ref_kl = np.nan
-        if h.ref_kl_coef > 0:
+        ref_kl = ref_kl_sum = np.nan
+        beta = float(state.ref_kl_coef)  # the leash's beta: --ref-kl-coef, moved by --ref-kl-target's controller
+        if beta > 0:
             reference = f64(state.reference.params)
             ref_out, ref_log_std, _ = reference_network(reference, normalise(raw_obs, state.reference.obs_stats))
             ref_log_probs, _ = reference_log_prob_and_entropy(ref_out, ref_log_std, actions, discrete)
-            rewards = rewards - h.ref_kl_coef * np.asarray(old_log_probs - ref_log_probs).reshape(T, N)
-            ref_kl = float(reference_kl(old_out, old_log_std, ref_out, ref_log_std, discrete).mean())
+            rewards = rewards - beta * np.asarray(old_log_probs - ref_log_probs).reshape(T, N)
+            per_step = reference_kl(old_out, old_log_std, ref_out, ref_log_std, discrete)
+            ref_kl, ref_kl_sum = float(per_step.mean()), float(per_step.sum())
 
         # GAE, one env and one step at a time: a termination cuts the bootstrap, a truncation
         # bootstraps from the final observation's value (or is a termination, without
@@ -716,8 +719,13 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
         if h.kl_target > 0:  # PPO paper Sec. 4
             next_kl_coef = kl_coef / 2 if kl < h.kl_target / 1.5 else kl_coef * 2 if kl > 1.5 * h.kl_target else kl_coef
         ended = flat(done)
+        ref_kl_seq = ref_kl_sum / ended.sum()  # the summed KL per episode ended
+        next_beta = beta  # Ziegler et al. 2019, Sec. 2.2
+        if h.ref_kl_target > 0:
+            next_beta = beta * (1 + np.clip(ref_kl_seq / h.ref_kl_target - 1, -0.2, 0.2) * ended.sum() / h.ref_kl_horizon)
         metrics = {name: np.mean([step[name] for step in history]) for name in history[0]} | dict(
-            kl=kl, kl_coef=kl_coef, ref_kl=ref_kl, learning_rate=lr, grad_steps=count - int(adam.count),
+            kl=kl, kl_coef=kl_coef, ref_kl=ref_kl, ref_kl_seq=ref_kl_seq, ref_kl_coef=beta,
+            learning_rate=lr, grad_steps=count - int(adam.count),
             explained_variance=1 - np.var(targets - values) / np.var(targets),
             episodes=ended.sum(),
             episode_return=flat(raw.episode_return)[ended].mean() if ended.any() else np.nan,
@@ -725,6 +733,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
             param_norm=math.sqrt(sum(float(jnp.sum(leaf**2)) for leaf in jax.tree.leaves(params))))
         return dict(params=jax.tree.map(np.asarray, params), mu=np.concatenate([np.ravel(m) for m in mu]),
                     nu=np.concatenate([np.ravel(v) for v in nu]), count=count, kl_coef=next_kl_coef,
+                    ref_kl_coef=next_beta,
                     reward_var=reward_var, metrics=metrics, steps=history)
 
 
@@ -781,6 +790,7 @@ def assert_update_matches(after, metrics, expected, where: str):
     np.testing.assert_allclose(adam.nu, expected["nu"], rtol=1e-3, atol=1e-9, err_msg=f"{where}: Adam nu")
     assert int(adam.count) == expected["count"], where
     np.testing.assert_allclose(after.kl_coef, expected["kl_coef"], rtol=1e-6, err_msg=f"{where}: next beta")
+    np.testing.assert_allclose(after.ref_kl_coef, expected["ref_kl_coef"], rtol=1e-6, err_msg=f"{where}: next leash beta")
     np.testing.assert_allclose(after.reward_stats.var, expected["reward_var"], rtol=1e-4, err_msg=f"{where}: reward var")
     for name, value in expected["metrics"].items():
         np.testing.assert_allclose(metrics[name], value, rtol=1e-4, atol=1e-6, err_msg=f"{where}: {name}")
@@ -798,6 +808,8 @@ REFERENCE_CASES = {  # name: (env, the update's HParams); large steps and a smal
     "kl_penalty": ("CartPole-v1", dict(clip_eps=0.0, kl_coef=1.0, kl_target=0.003, lr=3e-3)),
     "large_fixed_kl_penalty": ("Pendulum-v1", dict(clip_eps=0.0, kl_coef=10.0, lr=3e-2)),
     "leash": ("CartPole-v1", dict(ref_kl_coef=0.5, norm_obs=True, lr=3e-2, clip_eps=0.05)),
+    "leash_controller": ("CartPole-v1", dict(ref_kl_coef=0.5, ref_kl_target=0.05, ref_kl_horizon=20.0, norm_obs=True,
+                                             lr=3e-2, clip_eps=0.05)),
     "clip_higher_dual_clip": ("CartPole-v1", dict(lr=1e-2, clip_eps=0.05, clip_eps_high=0.1, dual_clip=1.1)),
     "dual_clip_unclipped": ("Pendulum-v1", dict(lr=3e-2, clip_eps=0.0, dual_clip=1.05)),
 }
@@ -811,10 +823,12 @@ def test_an_update_equals_the_independent_reference(case):
     recorded = recorded_update(env)
     hparams = P.HParams(**point)
     state = recorded.state_before(2, hparams)
-    if case == "leash":  # a reference policy of its own: other params, other observation statistics
+    if case.startswith("leash"):  # a reference policy of its own: other params, other observation statistics
         other = jax.tree.map(lambda x: 30.0 * x, recorded.network.init(jax.random.PRNGKey(42), state.obs[None]))
         stats = P.RunningStats(state.obs_stats.mean + 0.3, 2.0 * state.obs_stats.var, state.obs_stats.count)
         state = state.replace(reference=P.Policy(other, stats))
+    if case == "leash_controller":  # beta as the controller left it, not --ref-kl-coef: the update uses it
+        state = state.replace(ref_kl_coef=jnp.float32(0.3))
     after, metrics, raw, orders = recorded(state, hparams)
     expected = reference_update(recorded.config, hparams, state, raw, orders)
     assert_update_matches(after, metrics, expected, case)
@@ -827,8 +841,10 @@ def test_an_update_equals_the_independent_reference(case):
         assert np.any(np.asarray(raw.terminated))
     else:
         assert np.any(np.asarray(raw.done) & ~np.asarray(raw.terminated))  # a truncation
-    if case == "leash":
+    if case.startswith("leash"):
         assert reached["ref_kl"] > 0.01  # far enough from the policy that the penalty matters
+    if case == "leash_controller":
+        assert reached["ref_kl_coef"] == pytest.approx(0.3) and expected["ref_kl_coef"] != pytest.approx(0.3)
 
 
 def test_target_kl_stops_midway_as_the_reference_does():
@@ -1077,6 +1093,9 @@ SWITCHES = {  # name: (overrides of the base point, overrides of the flipped poi
     "kl_coef": ({}, dict(kl_coef=1.0)),
     "kl_target": (dict(kl_coef=1.0), dict(kl_coef=1.0, kl_target=1e-4)),
     "ref_kl_coef": ({}, dict(ref_kl_coef=1.0)),
+    "ref_kl_target": (dict(ref_kl_coef=1.0), dict(ref_kl_coef=1.0, ref_kl_target=1e-3)),
+    "ref_kl_horizon": (dict(ref_kl_coef=1.0, ref_kl_target=1e-3), dict(ref_kl_coef=1.0, ref_kl_target=1e-3,
+                                                                       ref_kl_horizon=10.0)),
     "target_kl": ({}, dict(target_kl=1e-4)),
     "ent_coef": ({}, dict(ent_coef=0.0)),
     "vf_coef": ({}, dict(vf_coef=1.0)),
@@ -1438,6 +1457,11 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--env-devices", "2", "--recurrent", "gru", "--num-minibatches", "4"], ["--env-devices 2", "env sequences"]),
     (["--env-devices", "-1"], ["--env-devices", ">= 0"]),
     (["--dual-clip", "0.5"], ["--dual-clip", "> 1"]),
+    (["--ref-kl-target", "4"], ["--ref-kl-target", "--ref-kl-coef"]),
+    (["--ref-kl-coef", "0.1", "--ref-kl-target", "4", "--ref-kl-horizon", "0"], ["--ref-kl-horizon", "> 0"]),
+    (["--env", "ToyRLHF-v0", "--env-params", "mode=gld"], ["--env-params", "mode one of", "gold"]),
+    (["--env", "ToyRLHF-v0", "--env-params", "vocab=1"], ["--env-params", "vocab >= 2"]),
+    (["--env", "ToyRLHF-v0", "--env-params", "vocab=x"], ["--env-params", "vocab", "int"]),
     (["--clip-eps", "0", "--clip-eps-high", "0.28"], ["--clip-eps-high", "--clip-eps 0"]),
     (["--adv-estimator", "grpo"], ["--adv-estimator grpo", "CartPole-v1", "fixed length", "Pendulum-v1"]),
     (["--env", "Catch-bsuite", "--adv-estimator", "rloo"], ["--num-steps 128", "9 steps", "--num-steps 126"]),
@@ -1539,6 +1563,8 @@ def test_sigterm_leaves_a_checkpoint_and_the_resumed_run_is_bit_identical(tmp_pa
     assert json.loads((stopped / "summary.json").read_text())["status"] == "interrupted by SIGTERM"
     before = (stopped / "metrics.csv").read_bytes()
     assert before.count(b"\n") == 1 + 2 * checkpoint.updates_done
+    older = tmp_path / "older"
+    shutil.copytree(stopped, older)
     # Make it a checkpoint written before the recurrent policy existed: no recurrent fields in its
     # spec, no (zero-width) recurrent states. It must resume all the same.
     data = serialization.msgpack_restore((stopped / P.CHECKPOINT).read_bytes())
@@ -1557,6 +1583,23 @@ def test_sigterm_leaves_a_checkpoint_and_the_resumed_run_is_bit_identical(tmp_pa
     for name in ("metrics.csv", "params.msgpack", "checkpoint.msgpack"):
         assert resumed[name] == uninterrupted[name], name
     assert json.loads(resumed["summary.json"])["status"] == "complete"
+
+    # A run begun before the leash's controller: no beta in its state, no ref_kl_seq or ref_kl_coef in
+    # its metrics or metrics.csv. It resumes to the same params; metrics.csv keeps its own columns.
+    added = ("ref_kl_coef", "ref_kl_seq")
+    data = serialization.msgpack_restore((older / P.CHECKPOINT).read_bytes())
+    del data["state"]["ref_kl_coef"]
+    data["metrics"] = {name: value for name, value in data["metrics"].items() if name not in added}
+    (older / P.CHECKPOINT).write_bytes(serialization.msgpack_serialize(data))
+    rows = list(csv.DictReader(open(older / "metrics.csv")))
+    columns = [name for name in rows[0] if name not in added]
+    with open(older / "metrics.csv", "w", newline="") as f:
+        csv.writer(f).writerows([columns] + [[row[name] for name in columns] for row in rows])
+    P.main(["--resume", str(older), "--quiet"])
+    assert directory_bytes(older)["params.msgpack"] == uninterrupted["params.msgpack"]
+    ours, theirs = list(csv.DictReader(open(older / "metrics.csv"))), list(csv.DictReader(open(straight / "metrics.csv")))
+    assert list(ours[0]) == columns and len(ours) == len(theirs)
+    assert all(row[name] == other[name] for row, other in zip(ours, theirs) for name in columns)
 
 
 def test_nan_guard_stops_and_keeps_the_last_finite_checkpoint(tmp_path, monkeypatch, capsys):
@@ -3225,3 +3268,220 @@ def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, capsy
         "are saved)\n"
     assert sorted(os.listdir(run_dir)) == ["checkpoint.msgpack", "config.json", "metrics.csv", "params.msgpack",
                                            "summary.json"]
+
+
+# ------------------------------------------------------------------------------------------------
+# RLHF in miniature (ToyRLHF-v0): the env, its proxy, the exact optimum, the leash's controller
+
+
+def toy_responses(p, num, seed):
+    return P.sample_bigram(np.random.default_rng(seed), p.log_bigram, p.length, num)
+
+
+def hand_rewards(tokens, p):
+    """A response's fluency, raw gold and raw proxy reward, by plain Python loops over its tokens."""
+    fluency, gold, proxy, seen = 0.0, 0.0, 0.0, {}
+    previous = p.vocab
+    for token in tokens:
+        token = int(token)
+        fluency += float(p.log_bigram[previous, token])
+        seen[token] = seen.get(token, 0) + 1
+        gold += float(p.gold_weights[token]) if seen[token] <= 2 else 0.0
+        proxy += float(p.proxy_weights[token])
+        previous = token
+    return fluency, gold + p.fluency_weight * fluency, proxy
+
+
+def test_toy_rlhf_episodes_terminate_at_length_and_rewards_match_a_hand_computation():
+    """Each mode's rewards over an episode sum to its sequence reward computed by hand (gold:
+    sum_v w*_v min(c_v, 2) + lambda * fluency, standardised; proxy: w_hat . c, standardised); every
+    episode terminates (never truncates) after `length` tokens and reports all four metrics there."""
+    length, envs, steps = 5, 6, 15
+    for mode in P.TOY_RLHF_MODES:
+        config = tiny_config(env="ToyRLHF-v0", env_params=(f"mode={mode}", f"length={length}", "vocab=6"),
+                             num_envs=envs, num_steps=steps)
+        env = P.make_env(config)
+        p = env.env_params
+        obs, state = env.reset(jax.random.PRNGKey(0))
+        step = jax.jit(env.step)
+        actions = np.random.default_rng(1).integers(0, p.vocab, (steps, envs))
+        actions[:length, 0] = 2  # one response of a single repeated token
+        rewards, tokens = np.zeros(envs), [[] for _ in range(envs)]
+        for t in range(steps):
+            keys = jax.random.split(jax.random.PRNGKey(t), envs)
+            resets = env.resets(jax.random.split(jax.random.PRNGKey(100 + t), (1, envs)))
+            obs, state, reward, terminated, truncated, info = step(keys, state, jnp.asarray(actions[t]),
+                                                                   jax.tree.map(lambda x: x[0], resets))
+            assert not np.any(truncated) and np.all(terminated == ((t + 1) % length == 0))
+            rewards += np.asarray(reward)
+            for i in range(envs):
+                tokens[i].append(actions[t, i])
+            if (t + 1) % length:
+                continue
+            for i in range(envs):
+                fluency, gold, proxy = hand_rewards(tokens[i], p)
+                gold = (gold - p.gold_standard[0]) / p.gold_standard[1]
+                proxy = (proxy - p.proxy_standard[0]) / p.proxy_standard[1]
+                expected = {"fluency": fluency, "gold": gold, "proxy": proxy}[mode]
+                assert rewards[i] == pytest.approx(expected, abs=2e-4), (mode, i)
+                metrics = info["episode_metrics"]
+                assert float(metrics["gold_reward"][i]) == pytest.approx(gold, abs=2e-4)
+                assert float(metrics["proxy_reward"][i]) == pytest.approx(proxy, abs=2e-4)
+                assert float(metrics["fluency"][i]) == pytest.approx(fluency, abs=2e-4)
+                repeats = (length - len(set(tokens[i]))) / (length - 1)
+                assert float(metrics["repeat_frac"][i]) == pytest.approx(repeats)
+            if t + 1 == length:  # env 0's first response repeats one token: repeat_frac 1
+                assert float(info["episode_metrics"]["repeat_frac"][0]) == 1.0
+            rewards, tokens = np.zeros(envs), [[] for _ in range(envs)]
+        # The observation: one-hot tokens per slot, zeros where empty, then the position.
+        empty = env.reset(jax.random.PRNGKey(0))[0][0]
+        assert empty.shape == (length * (p.vocab + 1),) and empty.sum() == 1.0 and empty[length * p.vocab] == 1.0
+
+
+def test_toy_rlhf_proxy_fit_is_reproducible_and_ranks_held_out_pairs():
+    """The reward model is rebuilt bit for bit from the seed; its Bradley-Terry fit is the minimum
+    of the regularised logistic loss (against scipy's optimiser); it ranks held-out pairs from B by
+    their gold reward better than chance, and better with more labels; and it is blind where it
+    should be: it cannot see order (a reversed response scores the same) and never saturates."""
+    P.toy_rlhf_params.cache_clear()
+    first = P.toy_rlhf_params(("seed=3",))
+    P.toy_rlhf_params.cache_clear()
+    again = P.toy_rlhf_params(("seed=3",))
+    for name in ("log_bigram", "gold_weights", "proxy_weights", "gold_standard", "proxy_standard"):
+        assert np.array_equal(getattr(first, name), getattr(again, name)), name
+    assert not np.array_equal(first.proxy_weights, P.toy_rlhf_params(("seed=4",)).proxy_weights)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 5))
+    labels = (rng.random(300) < scipy.special.expit(x @ np.array([1.0, -2.0, 0.5, 0.0, 1.0]))).astype(float)
+    loss = lambda w: np.mean(np.logaddexp(0, x @ w) - labels * (x @ w)) + 0.5e-2 * w @ w  # noqa: E731
+    reference = scipy.optimize.minimize(loss, np.zeros(5), method="BFGS", options=dict(gtol=1e-10)).x
+    np.testing.assert_allclose(P.fit_bradley_terry(x, labels), reference, atol=1e-5)
+
+    held_out = [toy_responses(first, 4000, seed) for seed in (11, 12)]
+    def accuracy(p):
+        gold = [P.gold_reward(y, p) for y in held_out]
+        proxy = [P.proxy_reward(y, p) for y in held_out]
+        differs = gold[0] != gold[1]
+        return np.mean(((proxy[0] > proxy[1]) == (gold[0] > gold[1]))[differs])
+    few, many = accuracy(P.toy_rlhf_params(("seed=3", "n_labels=30"))), accuracy(first)
+    assert 0.6 < many and few < many, (few, many)
+    y = held_out[0][:50]
+    np.testing.assert_allclose(P.proxy_reward(y[:, ::-1].copy(), first), P.proxy_reward(y, first), rtol=1e-5)
+    repeated = np.full((1, first.length), int(np.argmax(first.proxy_weights)))
+    assert P.proxy_reward(repeated, first)[0] > np.max(P.proxy_reward(held_out[0], first))
+
+
+def enumerate_responses(p):
+    import itertools
+
+    return np.array(list(itertools.product(range(p.vocab), repeat=p.length)))
+
+
+def test_exact_optimum_and_best_of_n_match_brute_force_enumeration():
+    """At V = 4, L = 3 (64 responses): pi*_beta ∝ B exp(proxy / beta) by enumeration gives the same
+    gold, proxy, fluency and KL as the backward recursion, and its conditionals multiply to the same
+    distribution; best-of-n's pool estimate is within Monte-Carlo error of the exact best-of-n
+    (ties shared), and its KL is log n - (n - 1) / n."""
+    p = P.toy_rlhf_params(("vocab=4", "length=3"))
+    ys = enumerate_responses(p)
+    fluency, gold, proxy = np.array([hand_rewards(y, p) for y in ys]).T  # in float64
+    log_b = fluency
+    gold = (gold - float(p.gold_standard[0])) / float(p.gold_standard[1])
+    proxy = (proxy - float(p.proxy_standard[0])) / float(p.proxy_standard[1])
+    for beta in (0.05, 0.3, 1.0, 4.0):
+        weights = np.exp(log_b + proxy / beta - np.max(log_b + proxy / beta))
+        pi = weights / weights.sum()
+        conditionals = P.optimal_policy(p, beta)
+        previous = np.concatenate([np.full((len(ys), 1), p.vocab), ys[:, :-1]], 1)
+        np.testing.assert_allclose(np.prod(conditionals[np.arange(p.length), previous, ys], axis=1), pi, rtol=1e-9)
+        exact = P.markov_expectations(p, conditionals)
+        assert exact["gold_reward"] == pytest.approx(pi @ gold, abs=1e-6)
+        assert exact["proxy_reward"] == pytest.approx(pi @ proxy, abs=1e-6)
+        assert exact["fluency"] == pytest.approx(pi @ log_b, abs=1e-9)
+        assert exact["kl"] == pytest.approx(pi @ (np.log(pi) - log_b), abs=1e-9)
+    b = np.exp(log_b)
+    levels = np.unique(proxy)
+    for row in P.best_of_n(p, (1, 2, 8, 64), samples=1 << 17):
+        n, expected = row["n"], 0.0
+        for level in levels:  # the best of n lands in this tie group with P(F_hi^n - F_lo^n), spread by B
+            group = proxy == level
+            low, high = b[proxy < level].sum(), b[proxy <= level].sum()
+            expected += (high**n - low**n) * (b[group] @ gold[group]) / b[group].sum()
+        assert row["gold_reward"] == pytest.approx(expected, abs=0.03), n
+        assert row["kl"] == pytest.approx(math.log(n) - (n - 1) / n)
+
+
+def test_gao_forms_recover_their_coefficients():
+    d = np.linspace(0.1, 5, 40)
+    fit = P.gao_fit(d, d * (1.5 - 0.4 * np.log(d)), "rl")
+    assert (fit["alpha"], fit["beta"], fit["r2"]) == (pytest.approx(1.5), pytest.approx(0.4), pytest.approx(1.0))
+    fit = P.gao_fit(d, d * (0.9 - 0.2 * d) + 0.01 * np.sin(7 * d), "bon")
+    assert fit["alpha"] == pytest.approx(0.9, abs=0.01) and fit["beta"] == pytest.approx(0.2, abs=0.01)
+    assert 0.99 < fit["r2"] < 1.0
+
+
+@pytest.fixture(scope="module")
+def toy_reference(tmp_path_factory):
+    """A short pretraining on fluency with the leash to the initial policy (the README's recipe,
+    scaled down): the reference policy of the tests below."""
+    run_dir = tmp_path_factory.mktemp("toy") / "reference"
+    P.main(["--env", "ToyRLHF-v0", "--env-params", "mode=fluency", "--ref-kl-coef", "1", "--lr", "3e-3",
+            "--total-timesteps", str(64 * 16 * 40), "--run-dir", str(run_dir), "--quiet", "--table-rows", "0"])
+    return run_dir / "params.msgpack"
+
+
+def test_ref_kl_seq_is_measured_with_a_reference_and_the_controller_follows_its_formula(toy_reference):
+    """With --ref-params, ref_kl_seq (the exact KL per response) is measured even at --ref-kl-coef 0
+    and equals L x the per-step ref_kl (every response lies in one rollout); without a reference
+    and leash it is NaN. --ref-kl-target moves beta by Ziegler et al.'s rule, update by update."""
+    reference = toy_reference
+    config = P.default_config("ToyRLHF-v0")
+    config = dataclasses.replace(config, init_params=None, ref_params=str(reference), total_timesteps=64 * 16 * 12)
+    train = TrainPrograms(config)
+    _, free = train(jax.random.PRNGKey(0), dataclasses.replace(config.hparams, ref_kl_coef=0.0))
+    assert np.all(free["ref_kl_seq"] > 0)  # a fresh policy against the pretrained reference
+    np.testing.assert_allclose(free["ref_kl_seq"], 8 * free["ref_kl"], rtol=1e-5)
+    np.testing.assert_array_equal(free["ref_kl_coef"], 0.0)
+    unloaded = dataclasses.replace(config, ref_params=None)
+    _, none = TrainPrograms(unloaded)(jax.random.PRNGKey(0), unloaded.hparams)
+    assert np.all(np.isnan(none["ref_kl_seq"])) and np.all(np.isnan(none["ref_kl"]))
+
+    target, horizon = 2.0, 500.0
+    hparams = dataclasses.replace(config.hparams, ref_kl_coef=0.5, ref_kl_target=target, ref_kl_horizon=horizon)
+    _, metrics = train(jax.random.PRNGKey(0), hparams)
+    beta, kl, episodes = (np.asarray(metrics[name], np.float64) for name in ("ref_kl_coef", "ref_kl_seq", "episodes"))
+    assert beta[0] == np.float32(0.5)
+    expected = beta[:-1] * (1 + np.clip(kl[:-1] / target - 1, -0.2, 0.2) * episodes[:-1] / horizon)
+    np.testing.assert_allclose(beta[1:], expected, rtol=1e-5)
+    assert len(np.unique(beta)) > 5
+
+
+def test_rlhf_end_to_end_proxy_rises_and_the_sweep_writes_its_figure(toy_reference, tmp_path, capsys):
+    """As a user runs it: PPO against the proxy from a pretrained reference raises the proxy reward
+    and writes the env's metrics; a small over-optimisation sweep writes rlhf.png and its tables,
+    whose frontier is the exact one and whose unleashed end points have more KL than leashed ones."""
+    reference = toy_reference
+    run_dir = tmp_path / "rlhf"
+    P.main(["--env", "ToyRLHF-v0", "--init-params", str(reference), "--ref-params", str(reference),
+            "--ref-kl-coef", "0.1", "--total-timesteps", str(64 * 16 * 30), "--run-dir", str(run_dir), "--quiet",
+            "--table-rows", "0"])
+    metrics = read_metrics_csv(run_dir / "metrics.csv")
+    assert {"gold_reward", "proxy_reward", "fluency", "repeat_frac", "ref_kl_seq", "ref_kl_coef"} <= set(metrics)
+    assert np.mean(metrics["proxy_reward"][-5:]) > np.mean(metrics["proxy_reward"][:3]) + 1.0
+    assert metrics["ref_kl_seq"][0] == pytest.approx(0.0, abs=1e-6) and metrics["ref_kl_seq"][-1] > 0.5
+
+    spec = tmp_path / "rlhf.toml"
+    spec.write_text(f'[base]\nenv = "ToyRLHF-v0"\ninit_params = "{reference}"\nref_params = "{reference}"\n'
+                    f'total_timesteps = {64 * 16 * 20}\nnum_seeds = 2\n[[grid]]\nref_kl_coef = [0.0, 1.0]\n')
+    P.main(["--sweep", str(spec), "--run-dir", str(tmp_path / "sweep"), "--quiet"])
+    assert "RLHF in miniature: exact pi*_beta's gold peaks at" in capsys.readouterr().out
+    sweep = tmp_path / "sweep"
+    assert {"rlhf.png", "rlhf_endpoints.csv", "rlhf_frontier.csv", "rlhf_fits.csv"} <= set(os.listdir(sweep))
+    rows = list(csv.DictReader(open(sweep / "rlhf_endpoints.csv")))
+    kl = {coef: [float(r["ref_kl_seq"]) for r in rows if float(r["ref_kl_coef"]) == coef] for coef in (0.0, 1.0)}
+    assert min(kl[0.0]) > 2 * max(kl[1.0])
+    frontier = [r for r in csv.DictReader(open(sweep / "rlhf_frontier.csv")) if r["curve"] == "optimum"]
+    beta = float(frontier[10]["beta_or_n"])
+    exact = P.markov_expectations(P.toy_rlhf_params(), P.optimal_policy(P.toy_rlhf_params(), beta))
+    assert float(frontier[10]["gold_reward"]) == pytest.approx(exact["gold_reward"])
