@@ -1867,7 +1867,7 @@ FIXED_EPISODE_LENGTH = {
     "SimpleBandit-bsuite": lambda env, p: 1,
     "BernoulliBandit-misc": lambda env, p: p.max_steps_in_episode,
     "GaussianBandit-misc": lambda env, p: p.max_steps_in_episode,
-    TOY_RLHF: lambda env, p: p.length,
+    TOY_RLHF: lambda env, p: min(p.length, p.max_steps_in_episode),
 }
 
 

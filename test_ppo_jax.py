@@ -1212,7 +1212,8 @@ def test_estimators_and_leash_choices_change_the_first_updates():
 
 @pytest.mark.parametrize("env_id, overrides", [(env_id, ()) for env_id in P.FIXED_EPISODE_LENGTH] + [
     ("Pendulum-v1", ("max_steps_in_episode=7",)), ("MemoryChain-bsuite", ("memory_length=3",)),
-    ("UmbrellaChain-bsuite", ("chain_length=4",))])
+    ("UmbrellaChain-bsuite", ("chain_length=4",)), ("ToyRLHF-v0", ("length=5",)),
+    ("ToyRLHF-v0", ("max_steps_in_episode=3",))])
 def test_fixed_episode_lengths_hold(env_id, overrides):
     """FIXED_EPISODE_LENGTH, which the critic-free estimators trust, against gymnax itself: 16 envs
     acting at random for three episodes' worth of steps end their episodes exactly every L steps."""
