@@ -1727,6 +1727,14 @@ def proxy_reward(tokens, p: ToyRLHFParams, standard=None):
     return (bag_of_tokens(tokens, p.vocab) @ p.proxy_weights - mean) / std
 
 
+def proxy_token_reward(weight, p: ToyRLHFParams):
+    """A token's share of the standardised proxy reward, from its weight (or the weights [V]): a
+    response's proxy reward is the sum over its tokens (the env pays it token by token; the exact
+    optimum's recursion uses it)."""
+    mean, std = p.proxy_standard
+    return (weight - mean / p.length) / std
+
+
 def sample_bigram(rng: np.random.Generator, log_bigram, length: int, num: int) -> np.ndarray:
     """num responses drawn from B -> tokens [num, L] int32 (inverse CDF, one uniform per token)."""
     cdf = np.cumsum(np.exp(np.asarray(log_bigram, np.float64)), axis=1)
@@ -1777,8 +1785,9 @@ def toy_rlhf_params(overrides: tuple[str, ...] = ()) -> ToyRLHFParams:
     first, second = (sample_bigram(rng, p.log_bigram, p.length, p.n_labels) for _ in range(2))
     preferred = rng.random(p.n_labels) < 1.0 / (1.0 + np.exp(gold_reward(second, p) - gold_reward(first, p)))
     weights = fit_bradley_terry(bag_of_tokens(first, v) - bag_of_tokens(second, v), preferred).astype(np.float32)
-    raw = bag_of_tokens(pool, v) @ weights
-    return p.replace(proxy_weights=weights, proxy_standard=np.array([raw.mean(), raw.std()], np.float32))
+    p = p.replace(proxy_weights=weights)
+    raw = proxy_reward(pool, p, standard=(0.0, 1.0))
+    return p.replace(proxy_standard=np.array([raw.mean(), raw.std()], np.float32))
 
 
 class ToyRLHF(GymnaxEnvironment):
@@ -1817,8 +1826,7 @@ class ToyRLHF(GymnaxEnvironment):
             reward = (jnp.where(copies < 2, params.gold_weights[action], 0.0) + params.fluency_weight * fluency
                       - mean / length) / std
         else:
-            mean, std = params.proxy_standard
-            reward = (params.proxy_weights[action] - mean / length) / std
+            reward = proxy_token_reward(params.proxy_weights[action], params)
         tokens = state.tokens.at[t].set(action)
         state = ToyRLHFState(time=t + 1, tokens=tokens)
         distinct = jnp.sum(bag_of_tokens(tokens, v) > 0)
@@ -3833,10 +3841,10 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
 def toy_rlhf_tables(p: ToyRLHFParams) -> dict[str, np.ndarray]:
     """The env's tables in float64, and each token's per-step proxy reward (standardised: a response's
     proxy reward is the sum over its tokens)."""
-    mean, std = np.asarray(p.proxy_standard, np.float64)
-    return {"log_bigram": np.asarray(p.log_bigram, np.float64), "gold_weights": np.asarray(p.gold_weights, np.float64),
-            "gold_standard": np.asarray(p.gold_standard, np.float64),
-            "proxy_token": (np.asarray(p.proxy_weights, np.float64) - mean / p.length) / std}
+    p = p.replace(**{name: np.asarray(getattr(p, name), np.float64) for name in
+                     ("log_bigram", "gold_weights", "gold_standard", "proxy_weights", "proxy_standard")})
+    return {"log_bigram": p.log_bigram, "gold_weights": p.gold_weights, "gold_standard": p.gold_standard,
+            "proxy_token": proxy_token_reward(p.proxy_weights, p)}
 
 
 def optimal_policy(p: ToyRLHFParams, beta: float) -> np.ndarray:
