@@ -4378,7 +4378,8 @@ def run_command(config: Config, argv: list[str]):
     """main() once the command line is parsed (and, with --distributed, the processes have met)."""
     if config.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX reads it itself when set
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     start, writer, run_dir = None, jax.process_index() == 0, None  # process 0 alone writes the run directory
     try:
         eval_only = {"episodes", "deterministic", "render"} & explicit_fields(argv)

@@ -2333,15 +2333,19 @@ jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(eve
 import ppo_jax
 ppo_jax.main(sys.argv[1:])
 print("cache hits:", events.count("/jax/compilation_cache/cache_hits"))
+print("cache misses:", events.count("/jax/compilation_cache/cache_misses"))
 """
 
 
 def test_compile_cache_is_reused_by_a_second_run_and_empty_turns_it_off(tmp_path):
     """--compile-cache DIR: the first run writes its compiled programs there, a second run of the
-    same static config (other HParams) loads them; --compile-cache "" uses no cache, not even the
-    default ~/.cache/ppo_jax."""
+    same static config (other HParams) loads every one of them and compiles nothing; --compile-cache ""
+    uses no cache, not even the default ~/.cache/ppo_jax. The cache's compile-time threshold is 0 here
+    (JAX's own variable), so that which programs are written does not depend on how fast this machine
+    compiles."""
     env = {k: v for k, v in os.environ.items() if k not in ("PPO_JAX_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR")}
     env["HOME"], env["PYTHONPATH"] = str(tmp_path / "home"), os.path.dirname(P.__file__)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     cache = tmp_path / "cache"
     tiny = ["--total-timesteps", "1024", "--num-steps", "32", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
 
@@ -2349,14 +2353,14 @@ def test_compile_cache_is_reused_by_a_second_run_and_empty_turns_it_off(tmp_path
         done = subprocess.run([sys.executable, "-c", CACHE_PROBE, *tiny, *argv], capture_output=True, text=True,
                               env=env, cwd=tmp_path, timeout=600)
         assert done.returncode == 0, done.stderr
-        return int(re.search(r"cache hits: (\d+)", done.stdout).group(1))
+        return tuple(int(re.search(rf"cache {kind}: (\d+)", done.stdout).group(1)) for kind in ("hits", "misses"))
 
-    assert probe("--compile-cache", str(cache), "--run-dir", str(tmp_path / "a")) == 0
+    hits, misses = probe("--compile-cache", str(cache), "--run-dir", str(tmp_path / "a"))
     written = sorted(os.listdir(cache))
-    assert written
-    assert probe("--compile-cache", str(cache), "--run-dir", str(tmp_path / "b"), "--lr", "1e-3") >= 1
+    assert hits == 0 and misses >= 1 and len(written) == misses
+    assert probe("--compile-cache", str(cache), "--run-dir", str(tmp_path / "b"), "--lr", "1e-3") == (misses, 0)
     assert sorted(os.listdir(cache)) == written  # nothing compiled anew
-    assert probe("--compile-cache", "", "--run-dir", str(tmp_path / "c")) == 0
+    assert probe("--compile-cache", "", "--run-dir", str(tmp_path / "c")) == (0, 0)
     assert not (tmp_path / "home" / ".cache" / "ppo_jax").exists()
 
 
