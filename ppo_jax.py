@@ -4003,7 +4003,7 @@ def write_rlhf_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting])
     """A ToyRLHF-v0 sweep's over-optimisation outputs: rlhf_endpoints.csv, rlhf_frontier.csv (the
     exact pi*_beta and best-of-n curves), rlhf_fits.csv (Gao et al.'s forms fitted to each setting and
     objective's end points, and to best-of-n) and rlhf.png; returns the printed summary."""
-    env_params = make_env(settings[0].config).env_params
+    env_params = make_gymnax(settings[0].config.env, settings[0].config.env_params)[1]
     frontier = exact_frontier(env_params)
     endpoints = rlhf_endpoints(sweep, settings)
     exact = {coef: markov_expectations(env_params, optimal_policy(env_params, coef))
