@@ -22,15 +22,11 @@ import tomllib
 import types
 
 # The CLI's persistent compilation cache goes to a throwaway directory, not ~/.cache (read at import),
-# removed when the test process exits (unless $PPO_JAX_COMPILE_CACHE names one to keep). JAX itself
-# caches there too (its variables, read when jax is imported), from the first test on and in every
-# subprocess: a program that several tests compile alike is compiled once per suite.
+# removed when the test process exits (unless $PPO_JAX_COMPILE_CACHE names one to keep).
 if "PPO_JAX_COMPILE_CACHE" not in os.environ:
     _throwaway_cache = tempfile.TemporaryDirectory(prefix="ppo_jax_test_cache_")
     os.environ["PPO_JAX_COMPILE_CACHE"] = _throwaway_cache.name
 COMPILE_CACHE = os.environ["PPO_JAX_COMPILE_CACHE"]
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import chex  # noqa: E402
 import jax  # noqa: E402
