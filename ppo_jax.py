@@ -3040,8 +3040,8 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
         for ax, (i, setting) in zip(axes[0], enumerate(settings)):
             plot_final_vs(ax, name, sweep, setting)
             ax.set_title(setting_name(i, setting.config))
-        axes[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
+        fig.tight_layout()  # then the legend beside the panels, however long (save_figure's tight box takes it in)
+        fig.legend(*axes[0, -1].get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
         save_figure(fig, os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
 
 

@@ -2820,6 +2820,28 @@ def data_lines(ax):  # the plotted lines, without the base value's marker
     return [line for line in ax.get_lines() if not line.get_label().startswith("base")]
 
 
+def test_sweep_figures_fit_long_labels_without_warnings(tmp_path, monkeypatch):
+    """The shipped implementation_details spec's 11 points carry every swept switch in their labels:
+    its figures draw without a matplotlib warning (a legend too long for tight_layout warned once per
+    figure), each with one legend, beside the panels, that names every point."""
+    import warnings
+
+    sweep = resolve(tomllib.loads(open(os.path.join(os.path.dirname(P.__file__), "sweeps",
+                                                    "implementation_details.toml")).read()))
+    finals = np.random.default_rng(0).normal(100, 10, size=(len(sweep.points), 3))
+    settings = [synthetic_setting(config, finals) for config in sweep.configs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figures = drawn_figures(monkeypatch, sweep, settings, tmp_path)
+    assert len(figures) == 1 + len(sweep.swept) and len(sweep.points) == 11
+    for name, fig in figures.items():
+        legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+        assert len(legends) == 1, name
+        labels = [text.get_text() for text in legends[0].get_texts()]
+        drawn = sweep.labels if name == "curves.png" else fig.axes[-1].get_legend_handles_labels()[1]
+        assert len(labels) > 1 and labels == list(drawn), name
+
+
 def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(tmp_path, monkeypatch):
     """final_vs_<param>: a line per combination of the other swept parameters, at the mean over seeds
     with a 95 % Student-t band; a log axis where values span 10x or more (0 at its left edge, "off");
