@@ -2822,12 +2822,12 @@ def data_lines(ax):  # the plotted lines, without the base value's marker
 
 def test_sweep_figures_fit_long_labels_without_warnings(tmp_path, monkeypatch):
     """The shipped implementation_details spec's 11 points carry every swept switch in their labels:
-    its figures draw without a matplotlib warning (a legend too long for tight_layout warned once per
-    figure), each with one legend, beside the panels, that names every point."""
+    its figures draw without a matplotlib warning (tight_layout cannot fit such a legend inside the
+    figure), each with one legend beside the panels naming all that they draw."""
     import warnings
 
-    sweep = resolve(tomllib.loads(open(os.path.join(os.path.dirname(P.__file__), "sweeps",
-                                                    "implementation_details.toml")).read()))
+    with open(os.path.join(os.path.dirname(P.__file__), "sweeps", "implementation_details.toml")) as f:
+        sweep = resolve(tomllib.loads(f.read()))
     finals = np.random.default_rng(0).normal(100, 10, size=(len(sweep.points), 3))
     settings = [synthetic_setting(config, finals) for config in sweep.configs]
     with warnings.catch_warnings():
