@@ -2826,6 +2826,8 @@ def test_sweep_figures_fit_long_labels_without_warnings(tmp_path, monkeypatch):
     figure), each with one legend beside the panels naming all that they draw."""
     import warnings
 
+    import matplotlib.pyplot as plt
+
     with open(os.path.join(os.path.dirname(P.__file__), "sweeps", "implementation_details.toml")) as f:
         sweep = resolve(tomllib.loads(f.read()))
     finals = np.random.default_rng(0).normal(100, 10, size=(len(sweep.points), 3))
@@ -2840,6 +2842,7 @@ def test_sweep_figures_fit_long_labels_without_warnings(tmp_path, monkeypatch):
         labels = [text.get_text() for text in legends[0].get_texts()]
         drawn = sweep.labels if name == "curves.png" else fig.axes[-1].get_legend_handles_labels()[1]
         assert len(labels) > 1 and labels == list(drawn), name
+        plt.close(fig)  # (save_figure, which closes them, was replaced)
 
 
 def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(tmp_path, monkeypatch):
