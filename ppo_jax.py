@@ -6,23 +6,24 @@ implementation detail a switch. Env stepping, GAE and the epochs of minibatch up
 jax.jit; seeds and whole hyperparameter grids are vmapped inside that one program.
 
     python ppo_jax.py                                   # CartPole-v1, the classic config
-    python ppo_jax.py --env Pendulum-v1 --num-seeds 4
     python ppo_jax.py --sweep sweeps/clip_vs_kl.toml    # the PPO paper's Table 1, one compile per env
     python ppo_jax.py --env Acrobot-v1 --help           # every flag, with Acrobot's defaults
-    ppo_jax.load_run(RUN_DIR).act(obs)                  # from Python: a trained run's policy acts
+    ppo_jax.run(ppo_jax.default_config("Pendulum-v1", num_seeds=4)).policy(0).act(obs)   # from Python
+    ppo_jax.load_run(RUN_DIR).act(obs)                  # a saved run's policy; make_train: vmap your own
 
-Where to hack (the four rules a change must keep are in HParams' docstring):
+Where to hack (the five rules a change must keep are in HParams' docstring):
     surrogate objective      policy_objective       the loss (Eq. 9)       ppo_loss
     advantages, returns      estimate_advantages (GAE: compute_gae; critic-free: group_advantages)
     value loss               value_loss             KL leash               kl_estimate, process_rollout
     PPO-Penalty's beta       adaptive_kl_coef       the leash's controller adaptive_ref_kl_coef
-    network, distributions   ActorCritic, Categorical, DiagGaussian
-    rollout, reward shaping  step_envs, process_rollout
-    minibatches, epochs      minibatch_step, epoch_step, update_step
-    optimizer, lr schedule   make_optimizer, adam_step, learning_rate
+    network, distributions   ActorCritic, Categorical, DiagGaussian; the critic's parameters: is_critic
+    an architecture switch   a Config field (static: shapes, the params tree) -> make_network -> ActorCritic
+    rollout, reward shaping  step_envs, process_rollout       epochs: update_step, epoch_step, minibatch_step
+    optimizer, lr schedule   make_optimizer (optax; groups: actor_critic_labels), learning_rate
+    a hyperparameter         a field of HParams (traced: a flag and a sweep axis, swept without recompiling)
+    carried across updates   a field of TrainState, its initial value in init_train_state
     environments             VecEnv (gymnax), BraxEnv, ToyRLHF (RLHF in miniature; its ground truth: section 8)
     metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
-    a hyperparameter         a field of HParams (traced: swept without recompiling)
 
 Sections: 1 HParams, Config; 2 the PPO (network, rollout, advantages, loss, update, make_train); 3 envs;
 4 running; 5 sweeps; 6 outputs; 7 evaluation; 8 RLHF's ground truth; 9 CLI; 10 speed (docs/speed.md).
@@ -164,15 +165,21 @@ class HParams:
     sweep as one program. Booleans are switches: they become 0/1 arrays inside the program and
     select a branch with `jnp.where`, so they can be swept too.
 
-    Four rules for changing the PPO:
-    1. HParams are traced: no Python `if` on a field; switch with `jnp.where` or a coefficient.
+    Five rules for changing the PPO:
+    1. HParams are traced: no Python `if` on a field; switch with `jnp.where` or a coefficient. What
+       changes shapes or the params tree (layers, widths, action spaces) is a Config field instead.
     2. Every loss term and diagnostic is a mean over samples: a minibatch may be computed in slices
-       (--slices N) and over devices (--env-devices), and the
-       parts' gradients are averaged. A per-minibatch statistic (e.g. normalising advantages) goes
-       in epoch_step, not in ppo_loss (test_slices_give_the_whole_minibatch_gradient_step fails).
+       (--slices N) and over devices (--env-devices), and the parts' gradients are averaged. A
+       per-minibatch statistic (e.g. normalising advantages) goes in epoch_step, not in ppo_loss
+       (test_slices_give_the_whole_minibatch_gradient_step fails).
     3. A statistic over the whole batch inside the update goes through Parts.device_mean / device_sum
        (an agent's envs may be sharded over devices, each holding its part of the batch).
-    4. A new field defaults to the old behaviour, so old checkpoints and sweep specs still run.
+    4. A new field defaults to the old behaviour, so old checkpoints and sweep specs still run; so
+       does a new TrainState field's initial value (an older checkpoint gets it from there).
+    5. Both branches of a `jnp.where` are finite for every HParams value: the unselected branch is
+       differentiated too, and its 0 * inf is NaN. `x / (2 * hparams.clip_eps)` in a branch that
+       --clip-eps 0 never selects still turns every gradient NaN; divide by a guarded value,
+       jnp.where(switch, hparams.clip_eps, 1.0).
     """
 
     # --- the objective
@@ -508,23 +515,28 @@ ENV_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def default_config(env_id: str) -> Config:
-    """The Config a user gets for `--env env_id` before any other flag."""
+def default_config(env_id: str, **fields) -> Config:
+    """The Config a user gets for `--env env_id` (that env's defaults, as its --help shows them), with
+    `fields` of Config on top; `hparams` may be a dict of HParams fields, which replace those of the
+    env's point and keep the rest. From Python this is the way in: Config(env=...) alone keeps
+    CartPole's defaults (Config's own), whatever the env.
+
+        config = default_config("Pendulum-v1", num_seeds=4, hparams=dict(lr=3e-4))"""
     if env_id.startswith(BRAX_PREFIX):
         overrides = BRAX
     elif env_id.endswith("-MinAtar"):
         overrides = MINATAR
     else:
         overrides = ENV_DEFAULTS.get(env_id)
-    if overrides is None:  # any other gymnax env: pick by its action space
-        if env_id not in gymnax.registered_envs:
-            return Config(env=env_id)  # validate() reports the unknown id
+    if overrides is None and env_id in gymnax.registered_envs:  # any other gymnax env: pick by its action space
         env, env_params = gymnax.make(env_id)
         discrete = isinstance(env.action_space(env_params), spaces.Discrete)
         overrides = CLASSIC_DISCRETE if discrete else CLASSIC_CONTINUOUS
-    overrides = dict(overrides)
+    overrides = dict(overrides or {})  # an unknown id: Config's own (validate() reports the id)
     hparams = HParams(**overrides.pop("hparams", {}))
-    return Config(env=env_id, hparams=hparams, **overrides)
+    chosen = fields.pop("hparams", {})
+    hparams = chosen if isinstance(chosen, HParams) else hparams.replace(**chosen)
+    return Config(**{"env": env_id, **overrides, **fields, "hparams": hparams})
 
 
 # ================================================================================================
@@ -613,7 +625,9 @@ class ActorCritic(nn.Module):
     feedforward network takes obs of any leading shape [...] and ignores first and hidden (its
     hiddens are [..., 0]). A recurrent one takes time-major sequences: obs [T, B, obs_dim], first
     [T, B] (the step begins an episode: reset), hidden [B, H] (the state before step 0), and
-    returns the state after each step [T, B, H]. policy_step() is the one-step form of both."""
+    returns the state after each step [T, B, H]. policy_step() is the one-step form of both.
+    The critic's layers are named critic_<i> and value_head: is_critic tells its parameters apart by
+    that, so a layer you add to the critic is named critic_* too (e.g. critic_norm)."""
 
     action_dim: int
     discrete: bool
@@ -754,22 +768,40 @@ def observe(policy_obs_stats: RunningStats, raw_obs, hparams: HParams):
 # --- the rollout ---------------------------------------------------------------------------------
 
 
+def per_env():
+    """A TrainState field whose leaves hold one row per env after the agent axis ([agents, N, ...]):
+    run_batch shards it over the devices an agent's envs are spread over. Every other field is the
+    agent's own, whole on each of them (TrainState.sharding)."""
+    return struct.field(metadata={"per_env": True})
+
+
 @struct.dataclass
 class TrainState:
+    """Everything a run carries from one update to the next, and all that its checkpoint holds. A new
+    field here is all it takes: its initial value in init_train_state (rule 4: the value runs before it
+    had all along, since a checkpoint written before the field existed gets it from there), per_env()
+    if it has a row per env."""
+
     params: Any
-    opt_state: Any
-    env_state: EnvState
-    obs: jax.Array  # [N, obs_dim] the raw observation each env is in now
-    hidden: jax.Array  # [N, H] each env's recurrent state after its last step (H = 0: feedforward)
+    opt_state: Any  # make_optimizer's
+    env_state: EnvState = per_env()
+    obs: jax.Array = per_env()  # [N, obs_dim] the raw observation each env is in now
+    hidden: jax.Array = per_env()  # [N, H] each env's recurrent state after its last step (H = 0: feedforward)
     obs_stats: RunningStats  # of raw observations, over all envs
     reward_stats: RunningStats  # of the per-env discounted return (for --scale-reward)
-    discounted_return: jax.Array  # [N]
+    discounted_return: jax.Array = per_env()  # [N]
     kl_coef: jax.Array  # PPO-Penalty's beta, adapted after each update
     ref_kl_coef: jax.Array  # the KL leash's beta: --ref-kl-coef, adapted after each update with --ref-kl-target
     reference: Policy  # the frozen pi_ref of the KL leash
-    ref_hidden: jax.Array  # [N, H] pi_ref's recurrent state (a recurrent reference has its own memory)
+    ref_hidden: jax.Array = per_env()  # [N, H] pi_ref's recurrent state (a recurrent reference has its own memory)
     key: jax.Array
     update: jax.Array  # updates done so far (int32)
+
+    @classmethod
+    def sharding(cls, agents, envs):
+        """A prefix of the state's tree for shard_map and jit: each field's leaves get `envs` (per_env) or
+        `agents`."""
+        return cls(**{f.name: envs if f.metadata.get("per_env") else agents for f in dataclasses.fields(cls)})
 
 
 @struct.dataclass
@@ -995,7 +1027,9 @@ def policy_objective(ratio, advantages, hparams: HParams):
     inf): the unclipped surrogate r A (Table 1's baseline). Its descendants: the band's upper edge
     1 + clip_eps_high (DAPO's clip-higher), and where A < 0 the lower bound dual_clip * A (dual-clip
     PPO). `clipped` marks the samples whose ratio lies outside the band, or whose dual clip binds
-    (the clip_frac metric). A new surrogate replaces this function alone."""
+    (the clip_frac metric). A new surrogate replaces this function alone, or joins it behind a
+    switch: jnp.where(hparams.switch, new, objective), both finite at every HParams value (rule 5:
+    no division by a clip_eps that may be 0, even in the branch not selected)."""
     low, high = hparams.clip_eps, jnp.where(hparams.clip_eps_high > 0, hparams.clip_eps_high, hparams.clip_eps)
     clipping = low > 0
     objective = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - low, 1.0 + high) * advantages)
@@ -1029,12 +1063,14 @@ class Leash:
         return cls(config.ref_kl_estimator, config.ref_kl_in == "loss", config.ref_params is not None)
 
 
-def value_loss(values, old_values, targets, clip_eps, clip_vloss):
-    """0.5 * squared error; with `clip_vloss` (and clipping on) the OpenAI-baselines clipped form."""
+def value_loss(values, old_values, targets, hparams: HParams):
+    """The critic's loss, a mean over samples: 0.5 * squared error; with --clip-vloss (and clipping on)
+    the OpenAI-baselines clipped form, the value's move from old_values bounded by --clip-eps. A new
+    value loss replaces this function alone."""
     unclipped = (values - targets) ** 2
-    clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
+    clipped_values = old_values + jnp.clip(values - old_values, -hparams.clip_eps, hparams.clip_eps)
     clipped = jnp.maximum(unclipped, (clipped_values - targets) ** 2)
-    return 0.5 * jnp.mean(jnp.where(clip_vloss & (clip_eps > 0), clipped, unclipped))
+    return 0.5 * jnp.mean(jnp.where(hparams.clip_vloss & (hparams.clip_eps > 0), clipped, unclipped))
 
 
 def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_coef, leash: Leash = Leash()):
@@ -1051,7 +1087,7 @@ def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_co
     kl = jnp.mean(batch.dist.kl(dist))  # exact KL[pi_old || pi]
     entropy = jnp.mean(dist.entropy())
     if network.critic:
-        v_loss = value_loss(values, batch.value, batch.targets, hparams.clip_eps, hparams.clip_vloss)
+        v_loss = value_loss(values, batch.value, batch.targets, hparams)
         total = policy_loss + kl_coef * kl + hparams.vf_coef * v_loss - hparams.ent_coef * entropy
     else:  # critic-free (--adv-estimator): no value loss
         v_loss = jnp.float32(jnp.nan)
@@ -1113,19 +1149,16 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     # This device's envs alone, for the KL pass (unsharded: the batch itself).
     own = make_batch(traj, advantages, targets, start_hidden, recurrent) if parts.shards > 1 else batch
 
-    # Speed: every epoch's shuffle drawn in one vectorised call, and the gradient steps on one flat
-    # parameter vector, so that clipping and Adam are a few fused ops instead of a few per leaf.
+    # Speed: every epoch's shuffle drawn in one vectorised call.
     shuffled = config.num_envs if recurrent else config.batch_size  # whole env sequences, or samples
     key, permutations = minibatch_orders(state.key, config.update_epochs, shuffled)
-    flat_params, unravel = ravel_pytree(state.params)
     lr = learning_rate(hparams, state.update, config.num_updates)
-    step_fn = functools.partial(minibatch_step, network=network, unravel=unravel, hparams=hparams, lr=lr,
+    step_fn = functools.partial(minibatch_step, network=network, tx=make_optimizer(hparams, lr), hparams=hparams,
                                 kl_coef=state.kl_coef, parts=parts, leash=leash)
     epoch = functools.partial(epoch_step, batch=batch, num_minibatches=config.num_minibatches, step_fn=step_fn,
                               norm_adv=hparams.norm_adv, parts=parts)
-    (flat_params, opt_state, _), diagnostics = jax.lax.scan(
-        epoch, (flat_params, state.opt_state, jnp.array(False)), permutations)
-    params = unravel(flat_params)
+    (params, opt_state, _), diagnostics = jax.lax.scan(epoch, (state.params, state.opt_state, jnp.array(False)),
+                                                       permutations)
 
     # PPO-Penalty: d = the exact mean KL between the old and the updated policy over the batch.
     new_kl = lambda part: jnp.mean(part.dist.kl(network.apply(params, part.obs, part.first, part.hidden)[1]))  # noqa: E731
@@ -1160,7 +1193,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
         "explained_variance": (explained_variance(batch.value, batch.targets) if network.critic
                                else jnp.float32(jnp.nan)),  # critic-free: no values
         "learning_rate": lr,
-        "param_norm": jnp.sqrt(jnp.sum(flat_params**2)),  # after the update; non-finite: see the NaN guard
+        "param_norm": optax.tree.norm(params),  # after the update; non-finite: see the NaN guard
     }
     state = state.replace(params=params, opt_state=opt_state, kl_coef=kl_coef, ref_kl_coef=ref_kl_coef, key=key,
                           update=state.update + 1)
@@ -1204,20 +1237,23 @@ def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn, 
     return jax.lax.scan(step_fn, carry, minibatches)
 
 
-def minibatch_step(carry, minibatch: Batch, network, unravel, hparams, lr, kl_coef, parts: Parts, leash=Leash()):
-    """One gradient step on the flat parameter vector (`unravel` gives the network's params), unless
-    --target-kl has stopped this update (a mask, not a branch, so the whole update stays one program).
-    The gradient and diagnostics are the mean of the minibatch's parts (rule 2): with sharded envs
-    `minibatch` is this device's part, and every device takes the same step."""
-    flat_params, opt_state, stopped = carry
-    grad = jax.grad(lambda flat, part: ppo_loss(unravel(flat), network, part, hparams, kl_coef, leash), has_aux=True)
-    grads, diagnostics = parts.mean(lambda part: grad(flat_params, part), minibatch)
+def minibatch_step(carry, minibatch: Batch, network, tx: optax.GradientTransformation, hparams, kl_coef,
+                   parts: Parts, leash=Leash()):
+    """One gradient step of the optimizer `tx` (make_optimizer), unless --target-kl has stopped this
+    update: a stopped step leaves the params and the optimizer's state as they were (a select over
+    both trees, not a branch, so the whole update stays one program). The gradient and diagnostics
+    are the mean of the minibatch's parts (rule 2): with sharded envs `minibatch` is this device's
+    part, and every device takes the same step."""
+    params, opt_state, stopped = carry
+    grad = jax.grad(lambda params, part: ppo_loss(params, network, part, hparams, kl_coef, leash), has_aux=True)
+    grads, diagnostics = parts.mean(lambda part: grad(params, part), minibatch)
     stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
-    diagnostics["grad_norm"] = jnp.sqrt(jnp.sum(grads**2))  # before clipping; non-finite: see the NaN guard
-    direction, opt_state = adam_step(grads, diagnostics["grad_norm"], opt_state, hparams, stopped)
-    flat_params = flat_params - jnp.where(stopped, 0.0, lr) * direction  # a stopped step leaves params as they were
+    diagnostics["grad_norm"] = optax.tree.norm(grads)  # before clipping; non-finite: see the NaN guard
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    params, opt_state = jax.tree.map(lambda old, new: jnp.where(stopped, old, new), (params, opt_state),
+                                     (optax.apply_updates(params, updates), new_opt_state))
     diagnostics["grad_steps"] = 1.0 - stopped.astype(jnp.float32)
-    return (flat_params, opt_state, stopped), diagnostics
+    return (params, opt_state, stopped), diagnostics
 
 
 def shuffle_into_minibatches(permutation, batch: Batch, num_minibatches: int) -> Batch:
@@ -1237,9 +1273,11 @@ def shuffle_sequences_into_minibatches(permutation, batch: Batch, num_minibatche
 
 
 def learning_rate(hparams: HParams, update, num_updates):
-    """The learning rate during (0-based) update `update`: linear annealing as in CleanRL."""
-    fraction_left = 1.0 - update / num_updates
-    return hparams.lr * jnp.where(hparams.anneal_lr, fraction_left, 1.0)
+    """The learning rate of (0-based) update `update`: --lr, with --anneal-lr linearly towards 0 over
+    the run (optax's linear schedule, by update as in CleanRL, so an update whose steps --target-kl
+    skipped does not shift it)."""
+    annealed = optax.linear_schedule(hparams.lr, 0.0, num_updates)(update)
+    return jnp.where(hparams.anneal_lr, annealed, hparams.lr)
 
 
 def explained_variance(predictions, targets):
@@ -1247,33 +1285,33 @@ def explained_variance(predictions, targets):
     return 1.0 - jnp.var(targets - predictions) / jnp.var(targets)
 
 
-ADAM_B1, ADAM_B2 = 0.9, 0.999  # optax's defaults
+def make_optimizer(hparams: HParams, learning_rate) -> optax.GradientTransformation:
+    """The optimizer, and the one place to change it: global-norm clipping (--max-grad-norm), Adam
+    (--adam-eps), then the step of size `learning_rate` (update_step passes this update's, from
+    learning_rate(); a schedule over gradient steps, count -> lr, works too). It is built inside the
+    traced update from traced HParams, so a sweep over --lr, --adam-eps or --max-grad-norm compiles
+    once; the state's tree must not depend on their values (init_train_state builds it with --lr).
+    Parameter groups: optax.multi_transform with actor_critic_labels (README, "Hacking ppo_jax")."""
+    return optax.chain(
+        optax.clip_by_global_norm(hparams.max_grad_norm),
+        optax.scale_by_adam(b1=0.9, b2=0.999, eps=hparams.adam_eps),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
-def make_optimizer(hparams: HParams):
-    """Global-norm clipping, then Adam, on the flat parameter vector (see update_step): this gives the
-    optimizer's state (tx.init); its step is adam_step, the same formulas written out. The learning
-    rate is applied by minibatch_step, so an update whose steps --target-kl skipped does not shift
-    the schedule."""
-    return optax.chain(optax.clip_by_global_norm(hparams.max_grad_norm), optax.scale_by_adam(b1=ADAM_B1, b2=ADAM_B2,
-                                                                                            eps=hparams.adam_eps))
+def is_critic(path) -> bool:
+    """Whether a parameter is the critic's alone, by its path in the params tree (a JAX key path, or
+    "/"-joined names): a module on it is named critic* or value* (ActorCritic names the critic's
+    layers so; name a layer you add to the critic likewise). Loading a critic-free run's policy and
+    the optimizer's parameter groups (actor_critic_labels) ask this, nowhere else."""
+    names = path.split("/") if isinstance(path, str) else [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return any(name.startswith(("critic", "value")) for name in names)
 
 
-def adam_step(grads, grad_norm, opt_state, hparams: HParams, stopped):
-    """make_optimizer's update on the flat vector -> (step direction, new state): optax's
-    clip_by_global_norm and scale_by_adam formula for formula (a test checks it against tx.update,
-    bit for bit), except that a stopped step (--target-kl) keeps Adam's moments and count as they were.
-
-    Written for speed: the stop mask selects the moments before the step is computed from them, so
-    XLA makes one fused pass over the state where tx.update and a select between its new state and
-    the old one made more."""
-    clip_state, adam = opt_state
-    g = jnp.where(grad_norm < hparams.max_grad_norm, grads, grads / grad_norm * hparams.max_grad_norm)
-    mu = jnp.where(stopped, adam.mu, (1 - ADAM_B1) * g + ADAM_B1 * adam.mu)
-    nu = jnp.where(stopped, adam.nu, (1 - ADAM_B2) * (g * g) + ADAM_B2 * adam.nu)
-    count = optax.safe_increment(adam.count)  # as optax: >= 1, so a stopped step's direction stays finite
-    direction = (mu / (1 - ADAM_B1**count)) / (jnp.sqrt(nu / (1 - ADAM_B2**count)) + hparams.adam_eps)
-    return direction, (clip_state, adam._replace(count=jnp.where(stopped, adam.count, count), mu=mu, nu=nu))
+def actor_critic_labels(params):
+    """The params tree with each leaf replaced by "critic" (is_critic) or "actor" (the rest: the policy,
+    and a shared trunk or torso): the labels optax.multi_transform takes for two parameter groups."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: "critic" if is_critic(path) else "actor", params)
 
 
 # --- make_train: init, then one lax.scan over updates ---------------------------------------------
@@ -1316,7 +1354,7 @@ def init_train_state(key, env: VecEnv, network: ActorCritic, tx, hparams: HParam
     reference = initial if reference is None else reference
     return TrainState(
         params=initial.params,
-        opt_state=tx.init(ravel_pytree(initial.params)[0]),
+        opt_state=tx.init(initial.params),
         env_state=env_state,
         obs=obs,
         hidden=initial_hidden(network, env.num_envs),
@@ -1362,7 +1400,7 @@ def make_train_parts(config: Config, shards: int = 1):
     reference = load_policy(config, env, network, config.ref_params, "--ref-params")
 
     def init(key, hparams: HParams) -> TrainState:
-        return init_train_state(key, env, network, make_optimizer(hparams), hparams, initial, reference)
+        return init_train_state(key, env, network, make_optimizer(hparams, hparams.lr), hparams, initial, reference)
 
     advance = functools.partial(train_updates, config=config, env=own_envs, network=network)
     return init, advance
@@ -1403,7 +1441,7 @@ def read_policies(config: Config, env: VecEnv, network: ActorCritic, path: str, 
     expected = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), sep="/")
     found = flax.traverse_util.flatten_dict(saved, sep="/") if isinstance(saved, dict) else {}
     if not network.critic:  # a critic-free run starts from (or is leashed to) the policy of a run with a critic
-        found = {name: value for name, value in found.items() if not re.search(r"/(critic_\d+|value_head)/", name)}
+        found = {name: value for name, value in found.items() if not is_critic(name)}
     missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or extra:
         raise ConfigError(f"{flag} {path}: its parameters do not match this network (missing {missing[:3]}, "
@@ -2069,11 +2107,17 @@ class RunResult:
     run_seconds: float
     num_devices: int = 1  # the batch axis was sharded over this many devices
     steps_run: int = 0  # environment steps this call ran, all agents together (less than the run's when resumed)
+    config: Config | None = None  # what ran
 
     @property
     def steps_per_second(self) -> float:
         """Environment steps per second, all agents of the batch together."""
         return self.steps_run / self.run_seconds
+
+    def policy(self, agent: int = 0) -> TrainedPolicy:
+        """The final policy of agent `agent` of the batch (a run's seed), as load_run gives a saved one."""
+        return TrainedPolicy(self.config, Policy(*jax.tree.map(lambda x: jnp.asarray(x[agent]),
+                                                               (self.state.params, self.state.obs_stats))))
 
 
 @dataclasses.dataclass
@@ -2223,10 +2267,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     donated = () if jax.default_backend() == "cpu" else 0
     batched, replicated = PartitionSpec("batch"), PartitionSpec()
     env_leaves = PartitionSpec("batch", ENV_AXIS)  # [agents, envs, ...]
-    state_specs = TrainState(  # a prefix of the state's tree: each field's leaves alike
-        params=batched, opt_state=batched, env_state=env_leaves, obs=env_leaves, hidden=env_leaves,
-        obs_stats=batched, reward_stats=batched, discounted_return=env_leaves, kl_coef=batched, ref_kl_coef=batched,
-        reference=batched, ref_hidden=env_leaves, key=batched, update=batched)
+    state_specs = TrainState.sharding(batched, env_leaves)
     if num_devices == 1:
         # One device (the usual CPU case): a plain jit, no sharding machinery.
         init_batch = jax.jit(init_batch)
@@ -2303,7 +2344,8 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
         seconds.append(time.perf_counter() - run_start)
     run_seconds = float(np.median(seconds[-timed_runs:])) if timed_runs else seconds[0]
     return RunResult(host_state(states), with_env_steps(metrics, config.batch_size), lowered_at - timer,
-                     compiled_at - lowered_at, run_seconds, num_devices, (done - first_done) * config.batch_size * size)
+                     compiled_at - lowered_at, run_seconds, num_devices, (done - first_done) * config.batch_size * size,
+                     config)
 
 
 def call_interruptibly(fn, *args):
@@ -2334,7 +2376,11 @@ def exit_at_once(message: str):
 
 
 def run(config: Config) -> RunResult:
-    """Compile and run config.num_seeds seeds of the config's HParams point as one program."""
+    """Compile and run config.num_seeds seeds of the config's HParams point as one program, writing
+    nothing: result.metrics[name] is [seeds, updates], result.policy(seed) acts (TrainedPolicy).
+    A run with outputs, checkpoints and a run directory is main(["--env", ...]), as the CLI. A bad
+    setting raises ConfigError (the CLI's one-line message) before anything is compiled."""
+    validate(config, check_run_dir=False)
     hparams = stack_hparams([config.hparams] * config.num_seeds)
     return run_batch(config, seed_keys(config), hparams, config.sweep_chunk)
 
@@ -3419,7 +3465,8 @@ def write_outputs(run_dir: str, config: Config, result: RunResult, status: str =
 CHECKPOINT = "checkpoint.msgpack"
 
 
-CHECKPOINT_FORMAT = "ppo_jax checkpoint 1"
+CHECKPOINT_FORMAT = "ppo_jax checkpoint 2"
+OLD_CHECKPOINT_FORMAT = "ppo_jax checkpoint 1"  # the optimizer's state on one raveled vector: still resumes
 
 
 def run_spec(config: Config) -> dict[str, Any]:
@@ -3437,6 +3484,22 @@ def save_checkpoint(run_dir: str, config: Config, checkpoint: Checkpoint) -> Non
         "metrics": checkpoint.metrics,
     }
     write_atomically(os.path.join(run_dir, CHECKPOINT), serialization.msgpack_serialize(data))
+
+
+def flat_adam_moments_as_trees(found: dict[str, Any], template: TrainState) -> dict[str, Any]:
+    """A checkpoint of OLD_CHECKPOINT_FORMAT, whose optimizer stepped one raveled parameter vector,
+    in today's layout: Adam's moments [seeds, P] cut into the params' leaves (ravel_pytree's order)."""
+    found = dict(found)
+    for moment in ("mu", "nu"):
+        flat = found.pop(f"opt_state/1/{moment}", None)
+        if not isinstance(flat, np.ndarray) or flat.ndim != 2:
+            continue
+        leaves = jax.tree_util.tree_leaves_with_path(serialization.to_state_dict(template.params))
+        ends = np.cumsum([math.prod(leaf.shape[1:]) for _, leaf in leaves])
+        for (path, leaf), part in zip(leaves, np.split(flat, ends[:-1], axis=1)):
+            name = "/".join(str(k.key) for k in path)
+            found[f"opt_state/1/{moment}/{name}"] = part.reshape(leaf.shape)
+    return found
 
 
 def abstract_train_state(config: Config) -> TrainState:
@@ -3458,7 +3521,7 @@ def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
                           "first chunk of updates") from None
     except Exception:  # msgpack raises several types on garbage
         data = None
-    if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT or not {"config", "state", "metrics"} <= set(data):
+    if not isinstance(data, dict) or data.get("format") not in (CHECKPOINT_FORMAT, OLD_CHECKPOINT_FORMAT) or not {"config", "state", "metrics"} <= set(data):
         raise ConfigError(f"{where}: {path} is corrupt or not a ppo_jax checkpoint: the run cannot continue from it")
     # A field added to Config later is missing from older checkpoints: its default keeps the older
     # behaviour (that is the rule for new fields), so the default is what they were written with.
@@ -3468,15 +3531,23 @@ def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
             raise ConfigError(f"{where}: the checkpoint was written with {flag(name)} {saved.get(name)}, but config.json "
                               f"says {expected[name]}: restore config.json, or start a new run")
     template = abstract_train_state(config)
-    want = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), sep="/")
+    want = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), keep_empty_nodes=True, sep="/")
     state = data["state"]
     found = flax.traverse_util.flatten_dict(state, keep_empty_nodes=True, sep="/") if isinstance(state, dict) else {}
+    if data["format"] == OLD_CHECKPOINT_FORMAT:
+        found = flat_adam_moments_as_trees(found, template)
+    empty = flax.traverse_util.empty_node  # a field or state without leaves (optax's EmptyState)
+    found.update({name: empty for name, leaf in want.items() if leaf is empty and name not in found})
+    missing = [name for name in want if name not in found]
+    if missing:  # written before these TrainState fields existed: their initial values (rule 4)
+        init, _ = make_train_parts(config)
+        fresh = jax.jit(jax.vmap(init, in_axes=(0, None)))(seed_keys(config), config.hparams)
+        fresh = flax.traverse_util.flatten_dict(serialization.to_state_dict(jax.device_get(fresh)), sep="/")
+        found.update({name: np.asarray(fresh[name]) for name in missing})
     for name, leaf in want.items():
-        if name not in found and math.prod(leaf.shape) == 0:  # a feedforward policy's [N, 0] recurrent
-            found[name] = np.zeros(leaf.shape, leaf.dtype)   # state, which older checkpoints lack
-        if name == "ref_kl_coef" and name not in found:  # older checkpoints: the leash's beta never moved
-            found[name] = np.full(leaf.shape, config.hparams.ref_kl_coef, leaf.dtype)
         value = found.get(name)
+        if leaf is empty:
+            continue
         if not isinstance(value, np.ndarray) or value.shape != leaf.shape or value.dtype != leaf.dtype:
             got = "nothing" if value is None else f"{np.shape(value)} {getattr(value, 'dtype', type(value).__name__)}"
             raise ConfigError(f"{where}: checkpoint entry state/{name} is {got}, this config needs {leaf.shape} "
