@@ -3490,12 +3490,12 @@ def flat_adam_moments_as_trees(found: dict[str, Any], template: TrainState) -> d
     """A checkpoint of OLD_CHECKPOINT_FORMAT, whose optimizer stepped one raveled parameter vector,
     in today's layout: Adam's moments [seeds, P] cut into the params' leaves (ravel_pytree's order)."""
     found = dict(found)
+    leaves = jax.tree_util.tree_leaves_with_path(serialization.to_state_dict(template.params))
+    ends = np.cumsum([math.prod(leaf.shape[1:]) for _, leaf in leaves])
     for moment in ("mu", "nu"):
         flat = found.pop(f"opt_state/1/{moment}", None)
         if not isinstance(flat, np.ndarray) or flat.ndim != 2:
             continue
-        leaves = jax.tree_util.tree_leaves_with_path(serialization.to_state_dict(template.params))
-        ends = np.cumsum([math.prod(leaf.shape[1:]) for _, leaf in leaves])
         for (path, leaf), part in zip(leaves, np.split(flat, ends[:-1], axis=1)):
             name = "/".join(str(k.key) for k in path)
             found[f"opt_state/1/{moment}/{name}"] = part.reshape(leaf.shape)

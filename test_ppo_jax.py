@@ -1301,7 +1301,7 @@ def forked(tmp_path, *edits: tuple[str, str], name: str = "forked_ppo_jax"):
     return module
 
 
-def param_paths(network, config, env) -> set[str]:
+def param_paths(network, env) -> set[str]:
     params = jax.eval_shape(lambda key: P.init_policy(key, env, network, P.HParams(), jnp.zeros((1, env.obs_dim))),
                             jax.random.PRNGKey(0)).params
     return {"/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(params)}
@@ -1315,8 +1315,8 @@ def test_is_critic_names_exactly_the_parameters_only_a_critic_has(static):
     parameters that a network with a critic has and the critic-free one lacks, for every torso."""
     config = tiny_config(**static)
     env = P.make_env(config)
-    with_critic = param_paths(P.make_network(config, env), config, env)
-    without = param_paths(P.make_network(dataclasses.replace(config, adv_estimator="grpo"), env), config, env)
+    with_critic = param_paths(P.make_network(config, env), env)
+    without = param_paths(P.make_network(dataclasses.replace(config, adv_estimator="grpo"), env), env)
     assert {name for name in with_critic if P.is_critic(name)} == with_critic - without != set()
     labels = P.actor_critic_labels({"params": {name: 0 for name in ("critic_0", "value_head", "actor_0", "trunk_1")}})
     assert labels == {"params": {"critic_0": "critic", "value_head": "critic", "actor_0": "actor", "trunk_1": "actor"}}
