@@ -1,0 +1,36 @@
+"""pytest's set-up, read by the main process before it starts the workers (pytest.ini: -n 2).
+
+One compilation cache for every worker: the cache directory is chosen here, in the main process,
+so that both workers (and their subprocesses) inherit it, and a program that tests on different
+workers compile alike is compiled once (test_ppo_jax.py explains the cache; it is removed when the
+main process exits). The longest tests go first, so that the two workers end together rather than
+one waiting on the last long test (order only: every test is independent of the others)."""
+
+import os
+import tempfile
+
+if "PPO_JAX_COMPILE_CACHE" not in os.environ:
+    _throwaway_cache = tempfile.TemporaryDirectory(prefix="ppo_jax_test_cache_")
+    os.environ["PPO_JAX_COMPILE_CACHE"] = _throwaway_cache.name
+
+LONGEST_FIRST = (  # the tests that took over 30 s on 2 cores (pytest --durations), longest first
+    "test_one_agents_envs_sharded_over_devices_equal_one_device",
+    "test_distributed_run_stops_on_one_signal_resumes_and_equals_one_process",
+    "test_distributed_faults_are_one_line",
+    "test_learns_at_the_tuned_defaults_of_each_env",
+    "test_estimators_and_leash_choices_change_the_first_updates",
+    "test_ctrl_c_stops_after_the_chunk_and_a_second_ctrl_c_stops_at_once",
+    "test_sweep_sharded_over_eight_devices_equals_one_device",
+    "test_distributed_sweep_equals_one_process_with_as_many_devices",
+    "test_sweep_chunk_gives_the_same_runs",
+    "test_a_sweep_of_two_static_settings_with_a_diverging_point",
+    "test_learns_memory_chain_with_the_gru_where_the_mlp_cannot",
+    "test_brax_adapter_flags_truncation_and_termination_and_keeps_the_final_observation",
+    "test_a_full_disk_or_a_kill_inside_a_write_loses_nothing",
+    "test_learns_minatar_breakout_with_the_cnn_torso",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.originalname, len(rank)))  # stable: the rest in file order
