@@ -5,6 +5,7 @@
     python bench.py --configs cartpole_classic cartpole_512envs   # some of them
     python bench.py --gpu      # on an accelerator: 1 to 2048 CartPole agents x 5e5 steps, brax:ant x 5e7
     python bench.py --no-plain # without the plain-PPO yardstick (below)
+    python bench.py --sweep-outputs 100 10 1000   # a sweep's files at scale: 100 points x 10 seeds x 1000 updates
 
 Prints a table and writes bench.json (the figures, the machine, the versions). Each config runs in
 its own fresh process, so its compile is cold and its peak RSS its own. For each config:
@@ -326,6 +327,71 @@ COLUMNS = ("config", "agents", "envs", "devices", "lower_s", "compile_s", "run_s
            "peak_gflops", "achieved_over_peak", "peak_rss_mb", "final_return", "plain_final_return")
 
 
+def sweep_outputs(points: int, seeds: int, updates: int, chunks: int = 20) -> dict:
+    """What a sweep of points x seeds agents x updates writes, from a synthetic batch (no training:
+    random metrics, a zero train state of CartPole-v1's defaults), through the sweep's own writers:
+    every point's metrics.csv appended after each of `chunks` chunks, the setting's checkpoint
+    rewritten after each, then the points' params.msgpack. -> sizes, seconds, peak memory."""
+    import jax
+
+    import ppo_jax as P
+
+    run_dir = tempfile.mkdtemp(prefix="ppo_jax_sweep_outputs_")
+    config = P.default_config("CartPole-v1", num_seeds=seeds, total_timesteps=512 * updates)
+    sweep = P.Sweep("bench", [config], [{"lr": float(lr)} for lr in np.geomspace(1e-5, 1e-2, points)],
+                    [f"lr={lr:.4g}" for lr in np.geomspace(1e-5, 1e-2, points)], ["lr"], False, "")
+    agents = points * seeds
+    keys = np.tile(np.asarray(P.seed_keys(config)), (points, 1))
+    state = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), P.abstract_train_state(config, keys))
+    names = [name for name in P.metric_names(config) if name != "env_steps"]
+    rng = np.random.default_rng(0)
+    metrics = {name: rng.normal(size=(agents, updates)).astype(np.float32) for name in names}
+    metrics["episodes"] = rng.integers(1, 5, (agents, updates)).astype(np.float32)
+    P.start_setting(run_dir, sweep, 0)
+    recorder = P.SweepRecorder(sweep, 0, run_dir, P.StopRequests(), P.Progress(1, quiet=True), 0, [])
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    csv_seconds = checkpoint_seconds = 0.0
+    for chunk in range(1, chunks + 1):
+        done = updates * chunk // chunks
+        so_far = P.with_env_steps({name: values[:, :done] for name, values in metrics.items()}, config.batch_size)
+        start = time.perf_counter()
+        recorder.write_points(so_far)
+        csv_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        P.save_checkpoint(P.setting_dir(run_dir, 0), config,
+                          P.Checkpoint(state, {name: values[:, :done] for name, values in metrics.items()}))
+        checkpoint_seconds += time.perf_counter() - start
+    setting = P.SweepSetting(config, P.RunResult(state, P.with_env_steps(metrics, config.batch_size), 0, 0, 1.0,
+                                                 config=config), None)
+    start = time.perf_counter()
+    P.write_point_outputs(run_dir, sweep, 0, setting)
+    params_seconds = time.perf_counter() - start
+    sizes = {}
+    for folder, _, files in os.walk(run_dir):
+        for name in files:
+            sizes.setdefault(name, []).append(os.path.getsize(os.path.join(folder, name)))
+    start = time.perf_counter()
+    with open(os.path.join(P.point_dir(run_dir, 0, 0), "metrics.csv")) as f:
+        rows = sum(1 for _ in f) - 1
+    read_seconds = time.perf_counter() - start
+    result = {
+        "points": points, "seeds": seeds, "updates": updates, "chunks": chunks, "metrics_columns": len(names) + 3,
+        "metrics_csv_total_mb": round(sum(sizes["metrics.csv"]) / 1e6, 1),
+        "metrics_csv_per_point_mb": round(max(sizes["metrics.csv"]) / 1e6, 2), "rows_per_point": rows,
+        "checkpoint_mb": round(sum(sizes[P.CHECKPOINT]) / 1e6, 1),
+        "params_msgpack_total_mb": round(sum(sizes["params.msgpack"]) / 1e6, 1),
+        "csv_seconds_per_chunk": round(csv_seconds / chunks, 2),
+        "checkpoint_seconds_per_chunk": round(checkpoint_seconds / chunks, 2),
+        "params_seconds": round(params_seconds, 1), "read_one_point_s": round(read_seconds, 3),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 0),
+        "peak_rss_growth_mb": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024, 0),
+    }
+    import shutil
+
+    shutil.rmtree(run_dir)
+    return result
+
+
 def print_table(rows):
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in COLUMNS]
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
@@ -358,9 +424,14 @@ def main():
     parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), help="only these configs")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median; default 3)")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain-PPO yardstick (saves ~1/3 of the time)")
+    parser.add_argument("--sweep-outputs", nargs=3, type=int, metavar=("POINTS", "SEEDS", "UPDATES"),
+                        help="measure a sweep's files at this scale (a synthetic batch) and exit")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.sweep_outputs:
+        print(json.dumps(sweep_outputs(*args.sweep_outputs), indent=2))
+        return
     if args.one:
         print(json.dumps(one_config(args.one, args.quick, args.repeats, args.cache_dir, not args.no_plain)))
         return

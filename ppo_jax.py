@@ -41,6 +41,7 @@ import difflib
 import errno
 import functools
 import gc
+import hashlib
 import importlib.util
 import io
 import json
@@ -379,6 +380,14 @@ class Config:
     mean +- std return over complete episodes, in one jitted program."""
     episodes: int = 100
     """With --eval: complete episodes per seed."""
+    rank_by: str = "episode_return"
+    """The metrics.csv column that ranks a sweep's points, higher first: its final value (the mean
+    over the episodes that ended in the last 10 % of updates), IQM over seeds, in the table,
+    summary.csv and the figures (e.g. gold_reward on ToyRLHF-v0). A spec may set it: rank_by = ..."""
+    point: str | None = None
+    """With --eval SWEEP_DIR: the sweep's point to evaluate, by its number in results.csv's point
+    column or its label (with several static settings: S:K, setting S's point K). Every point's
+    directory, SWEEP_DIR/setting-S/point-K, is a run directory of its own."""
     eval_every: int = 0
     """Every this many updates of a run, evaluate each seed's current policy on --eval-episodes
     complete episodes, sampled and with its mode, between chunks (chunks end where evaluations
@@ -1962,7 +1971,7 @@ DISTRIBUTED_FIELDS = ("distributed", "coordinator_address", "num_processes", "pr
 
 RUN_FIELDS = {  # not part of a spec: they change how a run is driven and reported, never its results
     "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "env_devices", "compile_cache",
-    "checkpoint_every", "resume", "eval", "episodes", "deterministic", "render", "quiet", "tensorboard", "eval_every",
+    "checkpoint_every", "resume", "eval", "episodes", "point", "rank_by", "deterministic", "render", "quiet", "tensorboard", "eval_every",
     "eval_episodes", "wandb_project", "wandb_entity", "wandb_group", "exp_name",
     *DISTRIBUTED_FIELDS}
 
@@ -2111,8 +2120,8 @@ class RunResult:
 
     @property
     def steps_per_second(self) -> float:
-        """Environment steps per second, all agents of the batch together."""
-        return self.steps_run / self.run_seconds
+        """Environment steps per second, all agents of the batch together (NaN: nothing ran)."""
+        return self.steps_run / self.run_seconds if self.run_seconds else math.nan
 
     def policy(self, agent: int = 0) -> TrainedPolicy:
         """The final policy of agent `agent` of the batch (a run's seed), as load_run gives a saved one."""
@@ -2406,6 +2415,16 @@ def first_nonfinite(metrics: dict[str, np.ndarray], start: int = 0, names=GUARDE
     return f"update {start + update + 1}, seed {seed}: {name} = {metrics[name][seed, start + update]}"
 
 
+def agreed_stop(stop: StopRequests) -> bool:
+    """Whether to stop after this chunk: every process stops, or none. Decided from the agreed value
+    alone (a signal that lands after the exchange is this process's for the next chunk: reading the
+    flag again here would stop this process alone)."""
+    agreed = largest_in_any_process(stop.signal or 0)
+    if agreed:
+        stop.signal = agreed
+    return agreed != 0
+
+
 class StopRequests:
     """SIGINT (Ctrl-C) and SIGTERM during a run ask it to stop after the current chunk of updates
     (a compiled chunk cannot be interrupted); a second Ctrl-C stops at once, losing that chunk."""
@@ -2512,8 +2531,7 @@ class RunRecorder:
             mean_return = np.nanmean(returns)
         rate = (done - self.done) * self.config.batch_size * self.config.num_seeds / (now - self.time)
         # Decided before the progress line is shown, so a signal sent on seeing it stops after the next chunk.
-        self.stop.signal = largest_in_any_process(self.stop.signal or 0) or None  # every process stops, or none
-        stop = self.stop.signal is not None
+        stop = agreed_stop(self.stop)
         self.progress.show(done, f"update {done}/{self.config.num_updates}  return {mean_return:.1f}  "
                                  f"{rate:,.0f} env steps/s")
         self.done, self.time = done, now
@@ -2535,6 +2553,9 @@ def train_run(config: Config, run_dir: str | None, start: Checkpoint | None = No
         try:
             result = run_batch(config, seed_keys(config), hparams, config.sweep_chunk, recorder, start=start)
             recorder.progress.end()
+            done = result.metrics["env_steps"].shape[1]
+            result = dataclasses.replace(result, metrics={**result.metrics, **{
+                name: values[:, :done] for name, values in recorder.evaluations.items()}})
             if recorder.diverged:  # keep the last finite state: the final params are not worth having
                 result, status = dataclasses.replace(result, state=recorder.last_finite), f"diverged at {recorder.diverged}"
             elif result.metrics["env_steps"].shape[1] < config.num_updates:
@@ -2565,6 +2586,7 @@ class Sweep:
     swept: list[str]  # the HParams fields that vary between points
     normalized_score: bool
     spec_text: str
+    rank_by: str = "episode_return"  # the metric that ranks the points (Config.rank_by)
 
     def hparams(self, config: Config) -> list[HParams]:
         return [dataclasses.replace(config.hparams, **point) for point in self.points]
@@ -2652,6 +2674,8 @@ def sample_random(spec: dict[str, Any], where: str) -> list[dict[str, Any]]:
 
 
 def format_value(value) -> str:
+    if isinstance(value, list | tuple):
+        return ",".join(format_value(v) for v in value)
     return f"{value:.4g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -2659,7 +2683,7 @@ def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, 
     """Turn a parsed spec into configs and points. Precedence, lowest first: the env's defaults,
     the spec's [base], its [[static]] entry, then the flags given on the command line."""
     where = f"--sweep {name}"
-    known = {"name", "normalized_score", "base", "grid", "random", "static"}
+    known = {"name", "normalized_score", "rank_by", "base", "grid", "random", "static"}
     for key in spec:
         if key not in known:
             raise ConfigError(f"{where}: unknown top-level key {key!r}; known: {', '.join(sorted(known))}")
@@ -2688,14 +2712,32 @@ def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, 
         points = [{**point, **sample} for point in (points or [{}]) for sample in randoms]
     if not points:
         raise ConfigError(f"{where}: no points to run: give at least one [[grid]] (an empty one is the base point)")
-    swept = [k for k in HPARAM_FIELDS if len({format_value(p.get(k, "-")) for p in points}) > 1]
+    swept = [k for k in HPARAM_FIELDS  # the fields whose value (the point's, else the base's) differs between points
+             if any(len({format_value(p.get(k, getattr(config.hparams, k))) for p in points}) > 1 for config in configs)]
     swept.sort(key=lambda k: [f.name for f in dataclasses.fields(HParams)].index(k))
     labels = [", ".join(f"{k}={format_value(v)}" for k, v in point.items()) or "base" for point in points]
     for config in configs:
         for label, hparams in zip(labels, [dataclasses.replace(config.hparams, **p) for p in points]):
             validate_hparams(hparams, f"{where}, point {label!r} on {config.env}: ")
+    rank_by = spec.get("rank_by", "episode_return")
+    check_rank_by(rank_by, configs[0], f"{where}: rank_by =")
     return Sweep(spec.get("name", name), configs, points, labels, swept,
-                 bool(spec.get("normalized_score", False)), spec_text)
+                 bool(spec.get("normalized_score", False)), spec_text, rank_by)
+
+
+def metric_names(config: Config) -> list[str]:
+    """The columns of metrics.csv a run of `config` writes (its program traced, not compiled)."""
+    config = dataclasses.replace(config, init_params=None, ref_params=None)  # (their files: not needed to trace)
+    _, metrics = jax.eval_shape(make_train(config), jax.random.PRNGKey(0), config.hparams)
+    return ["env_steps", *sorted(metrics)]
+
+
+def check_rank_by(name, config: Config, where: str) -> None:
+    if name == "episode_return":
+        return
+    names = metric_names(config) if isinstance(name, str) else []
+    if name not in names:
+        raise ConfigError(f"{where} {name!r}: not a metric of this sweep's runs; rank by one of {', '.join(names)}")
 
 
 def sweep_from_flags(cli: Config, explicit: dict[str, Any]) -> Sweep:
@@ -2776,12 +2818,12 @@ class SweepSetting:
         bad = [~np.isfinite(self.per_point(name)).all(axis=-1) for name in guarded_metrics(self.config)]
         return np.any(bad, axis=0)
 
-    def final(self) -> np.ndarray:  # [points, seeds]; NaN where the agent diverged (its policy acts on NaNs)
-        final = final_return(self.result.metrics).reshape(-1, self.config.num_seeds)
-        return np.where(self.diverged(), np.nan, final)
+    def final(self, name: str = "episode_return") -> np.ndarray:  # [points, seeds]; NaN where the agent diverged
+        final = final_return(self.result.metrics, name=name).reshape(-1, self.config.num_seeds)
+        return np.where(self.diverged(), np.nan, final)  # (its policy acts on NaNs)
 
-    def final_iqm(self) -> np.ndarray:  # [points]: the IQM of final() over the seeds that did not diverge
-        return np.array([finite_iqm(final) for final in self.final()])
+    def final_iqm(self, name: str = "episode_return") -> np.ndarray:  # [points]: over the seeds that did not diverge
+        return np.array([finite_iqm(final) for final in self.final(name)])
 
     def auc(self) -> np.ndarray:  # [points, seeds]: mean return over all updates (area under the curve / steps)
         with warnings.catch_warnings():
@@ -2790,8 +2832,37 @@ class SweepSetting:
         return np.where(self.diverged(), np.nan, auc)
 
 
-def setting_name(i: int, config: Config) -> str:
-    return f"{i + 1}:{config.env}"
+def setting_name(sweep: Sweep, i: int) -> str:
+    """Static setting i by its number, env and what it sets where the settings differ:
+    "1:CartPole-v1", "2:ToyRLHF-v0 update_epochs=10"."""
+    specs = [run_spec(config) for config in sweep.configs]
+    differ = [name for name in specs[i] if name != "env" and len({json.dumps(spec.get(name)) for spec in specs}) > 1]
+    return " ".join([f"{i + 1}:{sweep.configs[i].env}"] + [f"{name}={format_value(specs[i][name])}" for name in differ])
+
+
+# A sweep directory: its resolved spec, the sweep's tables and figures, and per static setting a
+# directory with the setting's checkpoint (all its points x seeds) and a run directory per point
+# (config.json, metrics.csv, params.msgpack, summary.json: --eval, load_run and --init-params take it).
+SWEEP_SPEC = "sweep.toml"
+
+
+def is_sweep_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, SWEEP_SPEC))
+
+
+def setting_dir(run_dir: str, i: int) -> str:
+    return os.path.join(run_dir, f"setting-{i + 1}")
+
+
+def point_dir(run_dir: str, i: int, p: int) -> str:
+    return os.path.join(setting_dir(run_dir, i), f"point-{p}")
+
+
+def sweep_fingerprint(sweep: Sweep) -> str:
+    """What fixes a sweep's results (every setting's run_spec, the points), as a short hash:
+    sweep.toml records it, and --resume refuses a sweep.toml that no longer gives it."""
+    what = [sweep.name, sweep.normalized_score, [run_spec(config) for config in sweep.configs], sweep.points]
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def toml_value(value) -> str:
@@ -2811,7 +2882,9 @@ def resolved_sweep_toml(sweep: Sweep, source: str) -> str:
     configs and points again (one [[grid]] per point)."""
     lines = [f"# Resolved from {source} on {datetime.datetime.now():%Y-%m-%d %H:%M}: every static setting",
              "# in full, one [[grid]] per point. `python ppo_jax.py --sweep <this file>` runs it again.",
-             f"name = {toml_value(sweep.name)}", f"normalized_score = {toml_value(sweep.normalized_score)}", ""]
+             f"# fingerprint {sweep_fingerprint(sweep)} (--resume checks that this file still gives it)",
+             f"name = {toml_value(sweep.name)}", f"normalized_score = {toml_value(sweep.normalized_score)}",
+             f"rank_by = {toml_value(sweep.rank_by)}", ""]
     for config in sweep.configs:
         lines.append("[[static]]")
         fields = {**dataclasses.asdict(config), **dataclasses.asdict(config.hparams)}
@@ -2828,22 +2901,21 @@ def resolved_sweep_toml(sweep: Sweep, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def append_results_csv(path: str, sweep: Sweep, i: int, setting: SweepSetting) -> None:
-    """One row per point x seed: every HParam, final return, area under the curve, agent-steps/s."""
+def results_rows(sweep: Sweep, settings: list[SweepSetting]) -> list[list[str]]:
+    """results.csv: one row per setting x point x seed: every HParam, final return, area under the
+    curve (nothing that depends on the machine's speed: a resumed sweep writes the same bytes)."""
     hparam_names = [f.name for f in dataclasses.fields(HParams)]
-    new_file = not os.path.exists(path)
-    finals, aucs = setting.final(), setting.auc()
-    with writing(path), open(path, "a", newline="") as f:
-        writer = csv.writer(f)
-        if new_file:
-            writer.writerow(["static", "env", "point", "label", "seed"] + hparam_names +
-                            ["final_return", "auc", "agent_steps_per_second"])
+    ranked = [f"final_{sweep.rank_by}"] if sweep.rank_by != "episode_return" else []  # the ranking metric's
+    rows = [["static", "env", "point", "label", "seed"] + hparam_names + ["final_return", "auc"] + ranked]
+    for i, setting in enumerate(settings):
+        finals, aucs, ranks = setting.final(), setting.auc(), setting.final(sweep.rank_by)
         for p, hparams in enumerate(sweep.hparams(setting.config)):
             for seed in range(setting.config.num_seeds):
-                writer.writerow([setting_name(i, setting.config), setting.config.env, p, sweep.labels[p], seed] +
-                                [format_value(getattr(hparams, n)) for n in hparam_names] +
-                                [f"{finals[p, seed]:.6g}", f"{aucs[p, seed]:.6g}",
-                                 f"{setting.result.steps_per_second:.0f}"])
+                rows.append([setting_name(sweep, i), setting.config.env, str(p), sweep.labels[p], str(seed)] +
+                            [format_value(getattr(hparams, n)) for n in hparam_names] +
+                            [f"{finals[p, seed]:.6g}", f"{aucs[p, seed]:.6g}"] +
+                            [f"{ranks[p, seed]:.6g}" for _ in ranked])
+    return rows
 
 
 def normalized_scores(settings: list[SweepSetting]) -> np.ndarray:
@@ -2870,7 +2942,8 @@ def aggregate_scores(scores: np.ndarray, reps: int = 2000, seed: int = 0) -> tup
     the interquartile mean of all runs, the median and mean over settings of the mean over seeds,
     and the optimality gap (1 - mean of min(score, 1)), each with the 95 % percentile interval of a
     stratified bootstrap (seeds resampled within each setting), seeded -> (estimates [points, 4],
-    intervals [points, 2, 4]), in AGGREGATES' order."""
+    intervals [points, 2, 4]), in AGGREGATES' order. With one seed the bootstrap has nothing to
+    resample: no interval (NaN), not a zero-width one."""
     from rliable import library, metrics
 
     def aggregates(x):
@@ -2879,7 +2952,8 @@ def aggregate_scores(scores: np.ndarray, reps: int = 2000, seed: int = 0) -> tup
 
     with numpy_seeded(seed):
         estimates, intervals = library.get_interval_estimates(dict(enumerate(scores)), aggregates, reps=reps)
-    return np.array([estimates[p] for p in range(len(scores))]), np.array([intervals[p] for p in range(len(scores))])
+    intervals = np.array([intervals[p] for p in range(len(scores))])
+    return np.array([estimates[p] for p in range(len(scores))]), intervals if scores.shape[1] > 1 else intervals * np.nan
 
 
 @contextlib.contextmanager
@@ -2909,36 +2983,45 @@ def best_first(values: np.ndarray) -> np.ndarray:
     return np.argsort(-np.nan_to_num(values, nan=-np.inf), kind="stable")
 
 
-def summarize_sweep(sweep: Sweep, settings: list[SweepSetting]) -> tuple[list[list[str]], str]:
-    """summary.csv rows and the printed table: per point, the final return's interquartile mean
-    over seeds with its 95 % bootstrap interval (iqm_and_ci; summary.csv also mean +- std), and the
-    area under the curve, best IQM first."""
+def summarize_sweep(sweep: Sweep, settings: list[SweepSetting], run_dir: str = "SWEEP_DIR") -> tuple[list[list[str]], str]:
+    """summary.csv rows and the printed table: per point, the ranking metric's (sweep.rank_by: the
+    return unless the spec says) final value, its interquartile mean over seeds with its 95 %
+    bootstrap interval (iqm_and_ci: none with fewer than 2 seeds; summary.csv also mean +- std), and
+    the area under the return's curve, best IQM first; where the best point's policy is."""
     rows = [["static", "env", "point", "label"] + sweep.swept +
-            ["final_mean", "final_std", "final_iqm", "final_ci_low", "final_ci_high", "auc_mean", "auc_std",
+            ["metric", "final_mean", "final_std", "final_iqm", "final_ci_low", "final_ci_high", "auc_mean", "auc_std",
              "num_seeds"]]
     text = []
+    metric = "return" if sweep.rank_by == "episode_return" else sweep.rank_by
     for i, setting in enumerate(settings):
-        final, auc = setting.final(), setting.auc()
+        final, auc = setting.final(sweep.rank_by), setting.auc()
         final_mean, final_std = np.nanmean(final, 1), np.nanstd(final, 1)
         auc_mean, auc_std = np.nanmean(auc, 1), np.nanstd(auc, 1)
         iqms = [iqm_and_ci(final[p]) for p in range(len(sweep.points))]
+        digits = 1 if sweep.rank_by == "episode_return" else 3  # returns in tens to hundreds; other metrics near 1
         result = setting.result
-        text.append(f"\n{setting_name(i, setting.config)}: {len(sweep.points)} points x {setting.config.num_seeds} "
-                    f"seeds, compile {result.lower_seconds + result.compile_seconds:.1f} s, run "
-                    f"{result.run_seconds:.1f} s, {result.steps_per_second:,.0f} agent-steps/s"
+        timing = ("run before the resume" if result.steps_run == 0 else
+                  f"compile {result.lower_seconds + result.compile_seconds:.1f} s, run {result.run_seconds:.1f} s, "
+                  f"{result.steps_per_second:,.0f} agent-steps/s")
+        text.append(f"\n{setting_name(sweep, i)}: {len(sweep.points)} points x {setting.config.num_seeds} seeds, {timing}"
                     + (f", random policy {setting.random_return:.1f}" if setting.random_return is not None else ""))
         width = max(len(label) for label in sweep.labels)
-        text.append(f"  rank  {'point'.ljust(width)}  {'final return IQM [95 % CI]':>28}  {'diverged':>8}  "
+        text.append(f"  rank  {'point'.ljust(width)}  {f'final {metric} IQM [95 % CI]':>28}  {'diverged':>8}  "
                     f"{'area under curve':>18}")
-        for rank, p in enumerate(best_first(np.array([iqm for iqm, _, _ in iqms]))):
+        ranking = best_first(np.array([iqm for iqm, _, _ in iqms]))
+        for rank, p in enumerate(ranking):
             iqm, low, high = iqms[p]
-            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  {f'{iqm:.1f} [{low:.1f}, {high:.1f}]':>28}  "
+            interval = "[no CI: < 2 seeds]" if np.isfinite(iqm) and np.isnan(low) else f"[{low:.{digits}f}, {high:.{digits}f}]"
+            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  {f'{iqm:.{digits}f} {interval}':>28}  "
                         f"{f'{np.isnan(final[p]).sum()}/{final.shape[1]}':>8}  {f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
             hparams = sweep.hparams(setting.config)[p]
-            rows.append([setting_name(i, setting.config), setting.config.env, str(p), sweep.labels[p]] +
-                        [format_value(getattr(hparams, n)) for n in sweep.swept] +
+            rows.append([setting_name(sweep, i), setting.config.env, str(p), sweep.labels[p]] +
+                        [format_value(getattr(hparams, n)) for n in sweep.swept] + [sweep.rank_by] +
                         [f"{v:.6g}" for v in (final_mean[p], final_std[p], iqm, low, high, auc_mean[p], auc_std[p])] +
                         [str(setting.config.num_seeds)])
+        best = f"{i + 1}:{ranking[0]}" if len(sweep.configs) > 1 else str(ranking[0])
+        text.append(f"  best point's policy: {point_dir(run_dir, i, ranking[0])}/params.msgpack "
+                    f"(--eval {run_dir} --point {best})")
     return rows, "\n".join(text)
 
 
@@ -2952,7 +3035,8 @@ def summarize_scores(sweep: Sweep, settings: list[SweepSetting], scores: np.ndar
             "lower is better)",
             "  " + "  ".join(f"{name.replace('_', ' ').replace('iqm', 'IQM'):>21}" for name in AGGREGATES) + "  point"]
     for p in best_first(estimates[:, 0]):
-        cells = [f"{estimates[p, m]:.3f} [{intervals[p, 0, m]:.2f}, {intervals[p, 1, m]:.2f}]"
+        cells = [f"{estimates[p, m]:.3f} " + ("[no CI: 1 seed]" if np.isnan(intervals[p, 0, m]) else
+                                              f"[{intervals[p, 0, m]:.2f}, {intervals[p, 1, m]:.2f}]")
                  for m in range(len(AGGREGATES))]
         text.append("  " + "  ".join(f"{cell:>21}" for cell in cells) + f"  {sweep.labels[p]}")
         rows.append([str(p), sweep.labels[p]] + [f"{v:.6g}" for m in range(len(AGGREGATES))
@@ -2973,10 +3057,10 @@ def iqm_and_ci(values: np.ndarray, reps: int = 10_000, seed: int = 0) -> tuple[f
     """One point's final returns over seeds (NaN, a diverged seed, left out) -> (interquartile mean,
     the 2.5 and 97.5 percentiles of its bootstrap over the seeds): rliable's IQM and percentile
     interval for one task, vectorised (rliable resamples in a Python loop); `reps` resamplings of the
-    seeds with a fixed seed: reproducible."""
+    seeds with a fixed seed: reproducible. Fewer than 2 seeds: no interval (NaN), not a zero-width one."""
     finite = values[np.isfinite(values)]
-    if finite.size == 0:
-        return math.nan, math.nan, math.nan
+    if finite.size < 2:
+        return finite_iqm(finite), math.nan, math.nan
     resampled = finite[np.random.default_rng(seed).integers(0, finite.size, (reps, finite.size))]
     low, high = np.percentile(iqm(resampled, axis=1), [2.5, 97.5])
     return finite_iqm(finite), float(low), float(high)
@@ -2986,23 +3070,6 @@ def finite_iqm(values: np.ndarray) -> float:
     """The IQM of the finite values (NaN marks a diverged seed); NaN if none is finite."""
     finite = values[np.isfinite(values)]
     return float(iqm(finite)) if finite.size else math.nan
-
-
-def mean_and_ci(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Mean over the last axis (seeds; NaN, a diverged seed, left out) and the half-width of its
-    95 % confidence interval (Student's t; 0 with one seed)."""
-    n = np.sum(np.isfinite(values), axis=-1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows, one-seed rows: NaN, then 0
-        mean, std = np.nanmean(values, axis=-1), np.nanstd(values, axis=-1, ddof=1)
-    return mean, t_interval(std / np.sqrt(np.maximum(n, 1)), n)
-
-
-def t_interval(standard_error, n):
-    """The half-width of a 95 % Student-t confidence interval from `n` samples (0 where n < 2)."""
-    from scipy import stats
-
-    return np.where(n > 1, stats.t.ppf(0.975, np.maximum(n - 1, 1)) * standard_error, 0.0)
 
 
 def value_axis(values: np.ndarray):
@@ -3020,14 +3087,15 @@ def value_axis(values: np.ndarray):
 
 
 def plot_final_vs(ax, name: str, sweep: Sweep, setting: SweepSetting) -> None:
-    """Final return against one swept parameter: a line per combination of the other swept
-    parameters, mean over seeds with its 95 % CI; the base value marked."""
+    """The ranking metric's final value against one swept parameter: a line per combination of the
+    other swept parameters at the IQM over seeds with its 95 % bootstrap CI (the table's statistic;
+    no band with one seed); the base value marked."""
     import matplotlib.pyplot as plt
 
     hparams = sweep.hparams(setting.config)
     values = np.array([float(getattr(h, name)) for h in hparams])
     place, log = value_axis(values)
-    mean, half = mean_and_ci(setting.final())
+    mean, low, high = np.array([iqm_and_ci(final) for final in setting.final(sweep.rank_by)]).T  # as the table ranks
     others = [other for other in sweep.swept if other != name]
     combinations = {}  # the other parameters' values -> the points with them
     for p, h in enumerate(hparams):
@@ -3037,10 +3105,11 @@ def plot_final_vs(ax, name: str, sweep: Sweep, setting: SweepSetting) -> None:
         points = sorted(points, key=lambda p: values[p])
         label = ", ".join(f"{other}={v}" for other, v in zip(others, combination)) or "all points"
         if len(points) == 1:  # a point alone: its CI as an error bar
-            ax.errorbar(place(values[points]), mean[points], half[points], fmt="o", color=color, ms=4, label=label)
+            bar = np.nan_to_num([mean[points] - low[points], high[points] - mean[points]])
+            ax.errorbar(place(values[points]), mean[points], bar, fmt="o", color=color, ms=4, label=label)
             continue
         ax.plot(place(values[points]), mean[points], "o-", color=color, lw=1.3, ms=4, label=label)
-        ax.fill_between(place(values[points]), (mean - half)[points], (mean + half)[points], color=color, alpha=0.15)
+        ax.fill_between(place(values[points]), low[points], high[points], color=color, alpha=0.15)
     base = float(getattr(setting.config.hparams, name))
     ax.axvline(place(base), color="gray", ls=":", lw=1, label=f"base ({format_value(base)})")
     if log:
@@ -3048,14 +3117,19 @@ def plot_final_vs(ax, name: str, sweep: Sweep, setting: SweepSetting) -> None:
         ax.minorticks_off()
     distinct = sorted(set(values.tolist()))
     ax.set_xticks(place(distinct), ["off" if v == 0 and log else format_value(v) for v in distinct], fontsize=7)
-    ax.set(xlabel=name + (" (log axis)" if log else ""), ylabel="final return (mean, 95 % CI over seeds)")
+    metric = "return" if sweep.rank_by == "episode_return" else sweep.rank_by
+    ax.set(xlabel=name + (" (log axis)" if log else ""), ylabel=f"final {metric} (IQM over seeds, 95 % CI)")
     ax.grid(alpha=0.3)
+
+
+FEW_POINTS = 8  # curves.png draws each panel's best 8 in colour
 
 
 def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None:
     """curves.png (a curve per point, one panel per static setting, one legend beside them; with
-    many points only the best few shaded min-max over seeds, the best drawn on top),
-    final_vs_<param>.png per swept parameter, and normalized.png when the spec asks for the score."""
+    many points only the best 3 shaded min-max over seeds, the best drawn on top, and beyond
+    FEW_POINTS only each panel's best FEW_POINTS in colour, the rest faint grey), final_vs_<param>.png
+    per swept parameter, and normalized.png when the spec asks for the score. Best: by rank_by."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -3064,20 +3138,28 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
     n, points = len(settings), len(sweep.points)
     colors = plt.cm.viridis(np.linspace(0, 0.95, points))
     fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.2), squeeze=False)
+    shown = set()  # the points drawn in colour in some panel
     for ax, (i, setting) in zip(axes[0], enumerate(settings)):
         steps = setting.result.metrics["env_steps"][0]
         returns = setting.per_point("episode_return")  # [points, seeds, updates]
-        ranking = best_first(setting.final_iqm())
+        ranking = best_first(setting.final_iqm(sweep.rank_by))
         for rank, p in reversed(list(enumerate(ranking))):  # the best last: on top
-            plot_seeds(ax, steps, returns[p], sweep.labels[p], colors[p], band=points <= 4 or rank < 3,
-                       lw=2.2 if rank == 0 else 1.1, alpha=1.0 if rank < 3 else 0.6, zorder=3 if rank == 0 else 2)
+            faint = points > FEW_POINTS and rank >= FEW_POINTS
+            shown |= set() if faint else {p}
+            plot_seeds(ax, steps, returns[p], sweep.labels[p], "0.75" if faint else colors[p],
+                       band=points <= 4 or rank < 3, lw=2.2 if rank == 0 else 0.8 if faint else 1.1,
+                       alpha=1.0 if rank < 3 else 0.5 if faint else 0.7, zorder=3 if rank == 0 else 1 if faint else 2)
         ax.set(xlabel="environment steps (per agent)", ylabel="episode return (smoothed)",
-               title=setting_name(i, setting.config))
+               title=setting_name(sweep, i))
         ax.grid(alpha=0.3)
-    handles = [matplotlib.lines.Line2D([], [], color=colors[p], lw=1.5, label=sweep.labels[p]) for p in range(points)]
+    handles = [matplotlib.lines.Line2D([], [], color=colors[p], lw=1.5, label=sweep.labels[p]) for p in sorted(shown)]
+    if len(shown) < points:
+        handles.append(matplotlib.lines.Line2D([], [], color="0.75", lw=0.8, label=f"the other {points - len(shown)}"))
+    metric = "return" if sweep.rank_by == "episode_return" else sweep.rank_by
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7,
-               title="point (bold: best; shaded: min-max of the best 3)" if points > 4 else "point (shaded: min-max)",
-               title_fontsize=7)
+               title=(f"point (bold: best by final {metric} IQM; shaded: min-max of the best 3"
+                      + (f"; grey: beyond each panel's best {FEW_POINTS})" if len(shown) < points else ")"))
+               if points > 4 else "point (shaded: min-max)", title_fontsize=7)
     fig.tight_layout()
     save_figure(fig, os.path.join(run_dir, "curves.png"), dpi=110)
 
@@ -3085,7 +3167,7 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
         fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.8), squeeze=False)
         for ax, (i, setting) in zip(axes[0], enumerate(settings)):
             plot_final_vs(ax, name, sweep, setting)
-            ax.set_title(setting_name(i, setting.config))
+            ax.set_title(setting_name(sweep, i))
         fig.tight_layout()  # then the legend beside the panels, however long (save_figure's tight box takes it in)
         fig.legend(*axes[0, -1].get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
         save_figure(fig, os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
@@ -3134,14 +3216,15 @@ def plot_scores(run_dir: str, sweep: Sweep, scores: np.ndarray, estimates: np.nd
 
 
 def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> str:
-    """After each static setting: append its rows to results.csv, rewrite the summaries and plots."""
+    """After each static setting: rewrite the summaries, plots and results.csv of the settings so far
+    (results.csv last: once it has every setting's rows, the sweep's outputs are complete); the
+    normalised scores' aggregates over the settings (rliable's bootstraps: seconds) once all are done."""
     with warnings.catch_warnings():  # nan-means of points where no episode ended are NaN, as they should be
         warnings.simplefilter("ignore", RuntimeWarning)
-        append_results_csv(os.path.join(run_dir, "results.csv"), sweep, len(settings) - 1, settings[-1])
-        rows, text = summarize_sweep(sweep, settings)
+        rows, text = summarize_sweep(sweep, settings, run_dir)
         write_csv(os.path.join(run_dir, "summary.csv"), rows)
         plot(plot_sweep, run_dir, sweep, settings)
-        if sweep.normalized_score:
+        if sweep.normalized_score and len(settings) == len(sweep.configs):
             scores = normalized_scores(settings)
             estimates, intervals = aggregate_scores(scores)
             rows, score_text = summarize_scores(sweep, settings, scores, estimates, intervals)
@@ -3150,6 +3233,7 @@ def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]
             text += "\n" + score_text
         if settings[-1].config.env == TOY_RLHF:
             text += "\n" + write_rlhf_outputs(run_dir, sweep, settings)
+        write_csv(os.path.join(run_dir, "results.csv"), results_rows(sweep, settings))
     return text
 
 
@@ -3159,55 +3243,148 @@ def write_csv(path: str, rows: list[list[str]]) -> None:
     write_atomically(path, table.getvalue().encode())
 
 
-def run_sweep(sweep: Sweep, run_dir: str, chunk_size: int = 0, quiet: bool = False,
-              flags: Config | None = None) -> list[SweepSetting]:
-    """Each static setting: one compile, all points x seeds as one batch; outputs written as each
-    setting finishes, so an interrupted sweep keeps what it has. `flags`: the command line's
-    (its trackers)."""
+class SweepRecorder:
+    """run_batch's on_chunk for one static setting of a sweep, as RunRecorder is a run's: after every
+    chunk, append each point's metrics.csv, save the setting's checkpoint, feed the trackers, move
+    the progress line, and stop if a signal asked for it. run_dir None (not the writing host):
+    nothing is written. A point that diverges runs on (its NaNs are its result): no NaN guard."""
+
+    def __init__(self, sweep: Sweep, i: int, run_dir: str | None, stop: StopRequests, progress: Progress,
+                 done_before: int, tracked: list[Tracker]):
+        self.sweep, self.i, self.config, self.run_dir = sweep, i, sweep.configs[i], run_dir
+        self.stop, self.progress, self.done_before, self.tracked = stop, progress, done_before, tracked
+        self.agents, self.done = len(sweep.points) * self.config.num_seeds, None
+
+    def show(self, done: int) -> None:
+        self.progress.show(self.done_before + done * self.agents, f"setting {setting_name(self.sweep, self.i)}: "
+                           f"update {done}/{self.config.num_updates} x {self.agents} agents")
+
+    def write_points(self, metrics) -> None:  # each point's rows, as a run of its seeds writes them
+        if self.run_dir is None:
+            return
+        seeds = self.config.num_seeds
+        for p in range(len(self.sweep.points)):
+            append_metrics_csv(os.path.join(point_dir(self.run_dir, self.i, p), "metrics.csv"),
+                               {name: values[p * seeds:(p + 1) * seeds] for name, values in metrics.items()})
+
+    def __call__(self, done: int, metrics, state) -> bool:
+        if self.done is None:  # compiled; the setting starts (resumed: fill the rows a kill may have cut off)
+            self.done = done
+            for tracker in self.tracked:
+                tracker.started()
+            if metrics is not None:
+                self.write_points(metrics)
+            self.show(done)
+            return False
+        self.write_points(metrics)
+        for tracker in self.tracked:
+            tracker.add(metrics)
+        host = state()  # every process takes part in fetching it
+        if self.run_dir is not None:
+            save_checkpoint(setting_dir(self.run_dir, self.i), self.config,
+                            Checkpoint(host, {name: value for name, value in metrics.items() if name != "env_steps"}))
+        stop = agreed_stop(self.stop)
+        self.show(done)
+        self.done = done
+        return stop
+
+
+def start_setting(run_dir: str, sweep: Sweep, i: int) -> None:
+    """The setting's directory and a run directory per point with its config.json (kept if there)."""
+    config = sweep.configs[i]
+    for p, hparams in enumerate(sweep.hparams(config)):
+        where = point_dir(run_dir, i, p)
+        with writing(where):
+            os.makedirs(where, exist_ok=True)
+        if not os.path.exists(os.path.join(where, "config.json")):
+            write_atomically(os.path.join(where, "config.json"),
+                             config_json(dataclasses.replace(config, hparams=hparams, run_dir=where)).encode())
+
+
+def write_point_outputs(run_dir: str, sweep: Sweep, i: int, setting: SweepSetting, missing_only: bool = False) -> None:
+    """A finished setting's points, each as a run's outputs (write_outputs, without curve.png):
+    params.msgpack of its seeds and summary.json ("diverged at ..." for a point that did)."""
+    seeds, result = setting.config.num_seeds, setting.result
+    for p, hparams in enumerate(sweep.hparams(setting.config)):
+        where = point_dir(run_dir, i, p)
+        if missing_only and os.path.exists(os.path.join(where, "summary.json")):
+            continue
+        part = slice(p * seeds, (p + 1) * seeds)
+        config = dataclasses.replace(setting.config, hparams=hparams, run_dir=where)
+        point = dataclasses.replace(result, state=jax.tree.map(lambda x: x[part], result.state), config=config,
+                                    metrics={name: values[part] for name, values in result.metrics.items()},
+                                    steps_run=result.steps_run // len(sweep.points))
+        diverged = first_nonfinite(point.metrics, 0, guarded_metrics(config))
+        write_outputs(where, config, point, f"diverged at {diverged}" if diverged else "complete", curve=False)
+
+
+def run_sweep(sweep: Sweep, run_dir: str | None, chunk_size: int = 0, quiet: bool = False,
+              flags: Config | None = None, resume: str | None = None) -> tuple[list[SweepSetting], str]:
+    """Each static setting: one compile, all points x seeds as one batch, checkpointed after every
+    chunk (SweepRecorder); its points' outputs and the sweep's tables written as it finishes.
+    `resume`: the sweep directory to continue (every process reads it): a finished setting is read
+    back from its checkpoint, the one under way continues from it. run_dir: where to write (None:
+    not the writing process). `flags`: the command line's (its trackers). -> (the settings run,
+    "complete" or "interrupted by SIGTERM/SIGINT in setting S at update U/N")."""
     total = sum(len(sweep.points) * config.num_seeds * config.num_updates for config in sweep.configs)
-    progress, settings, done_before = Progress(total, quiet=quiet), [], 0
-    for i, config in enumerate(sweep.configs):
-        keys = np.tile(np.asarray(seed_keys(config)), (len(sweep.points), 1))  # point-major: [p * S + s]
-        hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
-        agents = len(sweep.points) * config.num_seeds
-        progress.show(done_before, f"setting {setting_name(i, config)}: compiling")
-        tracked = []
-        if jax.process_index() == 0:  # a tracker's run per point x seed, named by the point's values
-            names = [f"{i + 1}-{config.env}/{label.replace(', ', ',')}/seed_{seed}" for label in sweep.labels
-                     for seed in range(config.num_seeds)]
-            tracked = trackers(run_dir, names, [dataclasses.replace(config, hparams=h) for h in sweep.hparams(config)
-                                                for _ in range(config.num_seeds)], flags=flags)
-
-        def report(done, metrics, state, config=config, i=i, done_before=done_before, agents=agents):
-            for tracker in tracked:
-                if metrics is None:  # compiled: the run starts
-                    tracker.started()
-                else:
-                    tracker.add(metrics)
-            progress.show(done_before + done * agents,
-                          f"setting {setting_name(i, config)}: update {done}/{config.num_updates} x {agents} agents")
-
-        summaries = None
-        try:
-            result = run_batch(config, keys, hparams, chunk_size, report)
-            progress.end()
-            random_return = random_policy_return(config) if sweep.normalized_score else None
-            settings.append(SweepSetting(config, result, random_return))
-            summaries = [{"status": "complete", "final_return": float(final), "auc": float(auc)}
-                         for final, auc in zip(settings[-1].final().ravel(), settings[-1].auc().ravel())]
-        finally:
-            for tracker in tracked:
-                tracker.close(summaries)
-        done_before += agents * config.num_updates
-        collapsed = penalty_collapsed(hparams.kl_target, result.metrics).reshape(len(sweep.points), -1).any(axis=1)
-        if collapsed.any() and jax.process_index() == 0:
-            points = " ".join(f"[{label}]" for label, bad in zip(sweep.labels, collapsed) if bad)
-            print(f"warning: setting {setting_name(i, config)}, point(s) {points}: {PENALTY_COLLAPSED}", file=sys.stderr)
-        if jax.process_index() == 0:
-            text = write_sweep_outputs(run_dir, sweep, settings)
-    if jax.process_index() == 0:
+    progress, settings, done_before, text = Progress(total, quiet=quiet), [], 0, ""
+    with StopRequests() as stop:
+        for i, config in enumerate(sweep.configs):
+            keys = np.tile(np.asarray(seed_keys(config)), (len(sweep.points), 1))  # point-major: [p * S + s]
+            hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
+            agents = len(sweep.points) * config.num_seeds
+            start = None
+            if resume is not None and os.path.exists(os.path.join(setting_dir(resume, i), CHECKPOINT)):
+                start = load_checkpoint(setting_dir(resume, i), config, keys, f"--resume {resume}")
+            if run_dir is not None:
+                start_setting(run_dir, sweep, i)
+            if start is not None and start.updates_done == config.num_updates:  # finished before the resume
+                result = RunResult(start.state, with_env_steps(start.metrics, config.batch_size), 0.0, 0.0, 0.0,
+                                   config=config)
+                random_return = random_policy_return(config) if sweep.normalized_score else None
+                settings.append(SweepSetting(config, result, random_return))
+                if run_dir is not None:
+                    write_point_outputs(run_dir, sweep, i, settings[-1], missing_only=True)
+                    text = write_sweep_outputs(run_dir, sweep, settings)
+                done_before += agents * config.num_updates
+                continue
+            progress.show(done_before + (start.updates_done * agents if start else 0),
+                          f"setting {setting_name(sweep, i)}: compiling")
+            tracked = []
+            if run_dir is not None:  # a tracker's run per point x seed, named by the point's values
+                names = [f"{i + 1}-{config.env}/{label.replace(', ', ',')}/seed_{seed}" for label in sweep.labels
+                         for seed in range(config.num_seeds)]
+                tracked = trackers(run_dir, names, [dataclasses.replace(config, hparams=h)
+                                                    for h in sweep.hparams(config) for _ in range(config.num_seeds)],
+                                   start.updates_done if start else 0, flags=flags)
+            recorder = SweepRecorder(sweep, i, run_dir, stop, progress, done_before, tracked)
+            summaries = None
+            try:
+                result = run_batch(config, keys, hparams, chunk_size, recorder, start=start)
+                progress.end()
+                done = result.metrics["env_steps"].shape[1]
+                if done < config.num_updates:
+                    return settings, (f"interrupted by {signal.Signals(stop.signal).name} in setting "
+                                      f"{setting_name(sweep, i)} at update {done}/{config.num_updates}")
+                random_return = random_policy_return(config) if sweep.normalized_score else None
+                settings.append(SweepSetting(config, result, random_return))
+                summaries = [{"status": "complete", "final_return": float(final), "auc": float(auc)}
+                             for final, auc in zip(settings[-1].final().ravel(), settings[-1].auc().ravel())]
+            finally:
+                for tracker in tracked:
+                    tracker.close(summaries)
+            done_before += agents * config.num_updates
+            collapsed = penalty_collapsed(hparams.kl_target, result.metrics).reshape(len(sweep.points), -1).any(axis=1)
+            if collapsed.any() and run_dir is not None:
+                points = " ".join(f"[{label}]" for label, bad in zip(sweep.labels, collapsed) if bad)
+                print(f"warning: setting {setting_name(sweep, i)}, point(s) {points}: {PENALTY_COLLAPSED}",
+                      file=sys.stderr)
+            if run_dir is not None:
+                write_point_outputs(run_dir, sweep, i, settings[-1])
+                text = write_sweep_outputs(run_dir, sweep, settings)
+    if run_dir is not None:
         print(text)
-    return settings
+    return settings, "complete"
 
 
 # ================================================================================================
@@ -3228,6 +3405,8 @@ TABLE_COLUMNS = (  # (metric, header, format)
     ("ref_kl", "ref_kl", "{:.4f}"),  # shown only when the KL leash is on
     ("explained_variance", "expl_var", "{:.3f}"),
     ("learning_rate", "lr", "{:.2e}"),
+    ("eval_return", "eval", "{:.1f}"),  # --eval-every's, sampled and with the policy's mode: only with it
+    ("eval_return_deterministic", "eval_det", "{:.1f}"),
 )
 
 
@@ -3242,11 +3421,15 @@ def final_return(metrics: dict[str, np.ndarray], fraction: float = 0.1, name: st
 
 
 def format_table(metrics: dict[str, np.ndarray], rows: int) -> str:
-    """Every few updates, each metric averaged over seeds (NaN-aware; '-' where no episode ended)."""
+    """Every few updates, each metric averaged over seeds (NaN-aware; '-' where no episode ended);
+    with --eval-every's evaluations, the updates they fell on."""
     num_updates = metrics["episode_return"].shape[1]
-    picks = sorted(set(np.linspace(0, num_updates - 1, min(rows, num_updates)).round().astype(int)))
-    columns = [(name, title, fmt) for name, title, fmt in TABLE_COLUMNS
-               if name not in ("kl_coef", "ref_kl") or np.any(np.nan_to_num(metrics[name]) != 0)]
+    updates = np.arange(num_updates)
+    if "eval_return" in metrics and np.isfinite(metrics["eval_return"]).any():
+        updates = np.flatnonzero(np.isfinite(metrics["eval_return"]).any(axis=0))
+    picks = sorted(set(updates[np.linspace(0, len(updates) - 1, min(rows, len(updates))).round().astype(int)]))
+    columns = [(name, title, fmt) for name, title, fmt in TABLE_COLUMNS if name in metrics and
+               (name not in ("kl_coef", "ref_kl") or np.any(np.nan_to_num(metrics[name]) != 0))]
     header = ["update"] + [title for _, title, _ in columns]
     lines = [header]
     for i in picks:
@@ -3422,6 +3605,13 @@ def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:
     returns = metrics["episode_return"]
     seeds = returns.shape[0]
     plot_seeds(ax, metrics["env_steps"][0], returns, f"mean of {seeds} seeds, shaded min-max" if seeds > 1 else "1 seed")
+    for name, marker, what in (("eval_return", "o", "sampled"), ("eval_return_deterministic", "s", "the mode")):
+        evaluated = np.isfinite(metrics.get(name, np.full(returns.shape, np.nan))).any(axis=0)
+        if evaluated.any():  # --eval-every's evaluations: complete episodes, unsmoothed
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                ax.plot(metrics["env_steps"][0][evaluated], np.nanmean(metrics[name][:, evaluated], 0), marker,
+                        ms=4, ls="--", lw=0.8, label=f"--eval-every: {what}, mean of {seeds}")
     ax.set(xlabel="environment steps (per seed)", ylabel="episode return (smoothed)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
@@ -3429,7 +3619,8 @@ def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:
     save_figure(fig, path, dpi=120)
 
 
-def write_outputs(run_dir: str, config: Config, result: RunResult, status: str = "complete") -> list[dict]:
+def write_outputs(run_dir: str, config: Config, result: RunResult, status: str = "complete",
+                  curve: bool = True) -> list[dict]:
     """params.msgpack, summary.json and curve.png as of the updates done so far, each replaced
     atomically (metrics.csv and the checkpoint are written after every chunk) -> each seed's summary
     (for the trackers)."""
@@ -3448,11 +3639,17 @@ def write_outputs(run_dir: str, config: Config, result: RunResult, status: str =
         "jax": jax.__version__,
         "device": str(jax.devices()[0]),
     }
+    for name in EVAL_METRICS:  # --eval-every: the last evaluation, per seed, and at which update
+        evaluated = np.flatnonzero(np.isfinite(result.metrics.get(name, np.full((1, 1), np.nan))).any(axis=0))
+        if evaluated.size:
+            summary[f"last_{name}_per_seed"] = [float(x) for x in result.metrics[name][:, evaluated[-1]]]
+            summary[f"last_{name}_update"] = int(evaluated[-1] + 1)
     if result.state is not None:  # None: diverged in its first chunk, no finite policy to keep
         final_policy = Policy(result.state.params, result.state.obs_stats)  # leading [num_seeds] axis
         write_atomically(os.path.join(run_dir, "params.msgpack"), serialization.to_bytes(jax.device_get(final_policy)))
     write_atomically(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2).encode())
-    plot(plot_curve, os.path.join(run_dir, "curve.png"), result.metrics, f"PPO on {config.env}")
+    if curve:
+        plot(plot_curve, os.path.join(run_dir, "curve.png"), result.metrics, f"PPO on {config.env}")
     del summary["final_return_per_seed"], summary["final_return_mean"]
     return [{**summary, "final_return": float(final)} for final in finals]
 
@@ -3502,17 +3699,20 @@ def flat_adam_moments_as_trees(found: dict[str, Any], template: TrainState) -> d
     return found
 
 
-def abstract_train_state(config: Config) -> TrainState:
-    """Shapes and dtypes of the TrainState of config.num_seeds seeds (nothing is computed)."""
+def abstract_train_state(config: Config, keys=None) -> TrainState:
+    """Shapes and dtypes of the TrainState of the agents of `keys` (default: config.num_seeds
+    seeds), nothing computed."""
     init, _ = make_train_parts(config)
-    return jax.eval_shape(jax.vmap(init, in_axes=(0, None)), seed_keys(config), config.hparams)
+    return jax.eval_shape(jax.vmap(init, in_axes=(0, None)), seed_keys(config) if keys is None else keys, config.hparams)
 
 
-def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
-    """Read RUN_DIR's checkpoint and check it against `config` (RUN_DIR's config.json); a
-    ConfigError names what is missing, corrupt or does not fit."""
+def load_checkpoint(run_dir: str, config: Config, keys=None, where: str | None = None) -> Checkpoint:
+    """Read RUN_DIR's checkpoint and check it against `config` (RUN_DIR's config.json; a sweep's
+    setting: its config, and keys of its agents, points x seeds); a ConfigError names what is
+    missing, corrupt or does not fit."""
     path = os.path.join(run_dir, CHECKPOINT)
-    where = f"--resume {run_dir}"
+    keys = seed_keys(config) if keys is None else keys
+    where = where or f"--resume {run_dir}"
     try:
         with open(path, "rb") as f:
             data = serialization.msgpack_restore(f.read())
@@ -3530,7 +3730,7 @@ def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
         if saved.get(name, default.get(name)) != expected[name]:
             raise ConfigError(f"{where}: the checkpoint was written with {flag(name)} {saved.get(name)}, but config.json "
                               f"says {expected[name]}: restore config.json, or start a new run")
-    template = abstract_train_state(config)
+    template = abstract_train_state(config, keys)
     want = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), keep_empty_nodes=True, sep="/")
     state = data["state"]
     found = flax.traverse_util.flatten_dict(state, keep_empty_nodes=True, sep="/") if isinstance(state, dict) else {}
@@ -3541,7 +3741,7 @@ def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
     missing = [name for name in want if name not in found]
     if missing:  # written before these TrainState fields existed: their initial values (rule 4)
         init, _ = make_train_parts(config)
-        fresh = jax.jit(jax.vmap(init, in_axes=(0, None)))(seed_keys(config), config.hparams)
+        fresh = jax.jit(jax.vmap(init, in_axes=(0, None)))(keys, config.hparams)
         fresh = flax.traverse_util.flatten_dict(serialization.to_state_dict(jax.device_get(fresh)), sep="/")
         found.update({name: np.asarray(fresh[name]) for name in missing})
     for name, leaf in want.items():
@@ -3555,9 +3755,9 @@ def load_checkpoint(run_dir: str, config: Config) -> Checkpoint:
     state = serialization.from_state_dict(template, flax.traverse_util.unflatten_dict(found, sep="/"))
     checkpoint = Checkpoint(state, data["metrics"])
     shapes = {np.shape(value) for value in checkpoint.metrics.values()}
-    if shapes != {(config.num_seeds, checkpoint.updates_done)}:
+    if shapes != {(len(keys), checkpoint.updates_done)}:
         raise ConfigError(f"{where}: the checkpoint's metrics have shapes {sorted(shapes)}, expected "
-                          f"{(config.num_seeds, checkpoint.updates_done)}: it is corrupt")
+                          f"{(len(keys), checkpoint.updates_done)}: it is corrupt")
     return checkpoint
 
 
@@ -3810,12 +4010,18 @@ class TrainedPolicy:
         return action[0] if single else action
 
 
-def load_run(run_dir: str, seed: int = 0) -> TrainedPolicy:
-    """The final policy of seed `seed` of the run in run_dir (its config.json and params.msgpack):
+def load_run(run_dir: str, seed: int = 0, point: str | int | None = None) -> TrainedPolicy:
+    """The final policy of seed `seed` of the run in run_dir (its config.json and params.msgpack),
+    or of a sweep's point (point: as --point takes it, K or S:K or a label):
 
         policy = load_run("runs/CartPole-v1-20261202-120000")
         action = policy.act(obs)                      # or policy.act(obs, key): a sample
+        best = load_run("runs/sweep-lr-20261202-120000", point=3, seed=1)
     """
+    if point is not None or (os.path.isdir(run_dir) and is_sweep_dir(run_dir)):
+        if point is None:
+            raise ConfigError(f"load_run {run_dir}: a sweep: give point=K (results.csv's point column, or its label)")
+        run_dir = find_point(run_dir, str(point), "load_run point")
     config = load_run_config(run_dir, "load_run")
     env = make_env(config)
     policies = read_policies(config, env, make_network(config, env), os.path.join(run_dir, "params.msgpack"),
@@ -3899,7 +4105,16 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # gymnasium's classic-control renderer starts pygame:
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # no sound card or display needed
     temporary = f"{path}.tmp{os.getpid()}.gif"
-    Visualizer(env.env, env.env_params, frames, np.cumsum(rewards[:length])).animate(temporary)
+    progress, every = Progress(length), max(1, length // 50)
+
+    class Drawing(Visualizer):  # gymnax's, moving the progress line as it draws (a frame takes ~0.1 s)
+        def update(self, frame):
+            if (frame + 1) % every == 0 or frame + 1 == length:
+                progress.show(frame + 1, f"rendering frame {frame + 1}/{length}")
+            return super().update(frame)
+
+    Drawing(env.env, env.env_params, frames, np.cumsum(rewards[:length])).animate(temporary)
+    progress.end()
     os.replace(temporary, path)
     return length
 
@@ -4251,7 +4466,7 @@ def load_run_config(run_dir: str, flag_name: str) -> Config:
 RESUME_FLAGS = {"resume", "table_rows", "compile_cache", "checkpoint_every", "quiet", "sweep_chunk", *DISTRIBUTED_FIELDS}
 
 
-EVAL_FLAGS = {"eval", "episodes", "deterministic", "render", "params_index", "seed", "compile_cache"}
+EVAL_FLAGS = {"eval", "episodes", "point", "deterministic", "render", "params_index", "seed", "compile_cache"}
 
 
 def check_flags(argv: Sequence[str], allowed: set[str], flag_name: str, run_dir: str) -> None:
@@ -4264,6 +4479,10 @@ def check_flags(argv: Sequence[str], allowed: set[str], flag_name: str, run_dir:
 def resume_config(cli: Config, argv: Sequence[str]) -> tuple[Config, Checkpoint]:
     """The run to continue: RUN_DIR's config.json with the run-only flags given now, and its checkpoint."""
     check_flags(argv, RESUME_FLAGS, "--resume", cli.resume)
+    sweep_dir = os.path.dirname(os.path.dirname(os.path.abspath(cli.resume)))
+    if is_sweep_dir(sweep_dir):
+        raise ConfigError(f"--resume {cli.resume}: a point of the sweep in {sweep_dir}: resume the sweep, "
+                          f"--resume {sweep_dir}")
     config = load_run_config(cli.resume, "--resume")
     given = {name: getattr(cli, name) for name in explicit_fields(argv) & RESUME_FLAGS}
     config = dataclasses.replace(config, **given, run_dir=cli.resume)
@@ -4287,9 +4506,71 @@ def resume_config(cli: Config, argv: Sequence[str]) -> tuple[Config, Checkpoint]
     return config, checkpoint
 
 
+def resume_sweep(cli: Config, argv: Sequence[str]) -> tuple[Sweep, int]:
+    """The sweep to continue: SWEEP_DIR/sweep.toml, resolved again, with the run-only flags given
+    now, else the sweep's own (its points' config.json: --checkpoint-every, --sweep-chunk); refused
+    if the file no longer gives the sweep that began (its fingerprint). -> (sweep, --sweep-chunk)"""
+    check_flags(argv, RESUME_FLAGS, "--resume", cli.resume)
+    path = os.path.join(cli.resume, SWEEP_SPEC)
+    given = {name: getattr(cli, name) for name in explicit_fields(argv) & RESUME_FLAGS - {"resume"}}
+    sweep = load_sweep(dataclasses.replace(Config(), sweep=path), {})
+    with open(path) as f:
+        recorded = re.search(r"^# fingerprint (\w+)", f.read(), re.MULTILINE)
+    if recorded is None or recorded.group(1) != sweep_fingerprint(sweep):
+        raise ConfigError(f"--resume {cli.resume}: {path} has changed since the sweep began (its settings or points "
+                          "differ from those it ran): restore it, or start a new sweep with --sweep")
+    own = {}  # the sweep's own, as its points' config.json hold them
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(point_dir(cli.resume, 0, 0), "config.json")) as f:
+            own = json.load(f)
+    every, chunk = (int(given.get(name, own.get(name, 0)) or 0) for name in ("checkpoint_every", "sweep_chunk"))
+    sweep.configs = [dataclasses.replace(config, checkpoint_every=every, sweep_chunk=chunk) for config in sweep.configs]
+    if not os.access(cli.resume, os.W_OK):
+        raise ConfigError(f"--resume {cli.resume}: the directory is not writable (a read-only file system?): "
+                          "make it writable, or copy it to a writable disk and resume the copy")
+    try:
+        with open(os.path.join(cli.resume, "results.csv")) as f:
+            rows = len(f.read().splitlines()) - 1
+    except OSError:
+        rows = 0
+    if rows == len(sweep.points) * sum(config.num_seeds for config in sweep.configs):  # written last (write_sweep_outputs)
+        raise ConfigError(f"--resume {cli.resume}: that sweep is complete (results.csv has every point's rows): "
+                          "nothing to resume")
+    return sweep, chunk
+
+
+def find_point(sweep_dir: str, point: str, flag_name: str) -> str:
+    """The run directory of the sweep's point `point`: K (results.csv's point column) or its label,
+    S:K or S:label with several static settings."""
+    sweep = load_sweep(dataclasses.replace(Config(), sweep=os.path.join(sweep_dir, SWEEP_SPEC)), {})
+    settings, _, wanted = point.rpartition(":") if re.match(r"\d+:", point) else ("", "", point)
+    if not settings and len(sweep.configs) > 1:
+        raise ConfigError(f"{flag_name} {point}: {sweep_dir} has {len(sweep.configs)} static settings: give S:K, "
+                          f"e.g. {flag_name} 2:{wanted} (setting 2's point {wanted})")
+    i = int(settings or 1) - 1
+    if not 0 <= i < len(sweep.configs):
+        raise ConfigError(f"{flag_name} {point}: {sweep_dir} has static settings 1 to {len(sweep.configs)}")
+    p = int(wanted) if wanted.isdigit() else sweep.labels.index(wanted) if wanted in sweep.labels else None
+    if p is None or not 0 <= p < len(sweep.points):
+        raise ConfigError(f"{flag_name} {point}: {sweep_dir} has points 0 to {len(sweep.points) - 1}, labelled "
+                          f"{', '.join(repr(label) for label in sweep.labels[:4])}{' ...' if len(sweep.points) > 4 else ''}")
+    where = point_dir(sweep_dir, i, p)
+    if not os.path.exists(os.path.join(where, "params.msgpack")):
+        raise ConfigError(f"{flag_name} {point}: that point's setting has not finished (no {where}/params.msgpack): "
+                          f"continue the sweep with --resume {sweep_dir}")
+    return where
+
+
 def run_eval(cli: Config, argv: Sequence[str]) -> np.ndarray:
     """--eval RUN_DIR: evaluate every seed of its params.msgpack; print and return returns [seeds, episodes]."""
     check_flags(argv, EVAL_FLAGS, "--eval", cli.eval)
+    if os.path.isdir(cli.eval) and is_sweep_dir(cli.eval):
+        if cli.point is None:
+            raise ConfigError(f"--eval {cli.eval} is a sweep: choose its point with --point K (results.csv's point "
+                              "column, or its label)")
+        cli = dataclasses.replace(cli, eval=find_point(cli.eval, cli.point, "--point"))
+    elif cli.point is not None and os.path.isdir(cli.eval):
+        raise ConfigError(f"--point {cli.point}: {cli.eval} is a run, not a sweep (no {SWEEP_SPEC} there)")
     config = load_run_config(cli.eval, "--eval")
     validate(dataclasses.replace(config, init_params=None, ref_params=None), check_run_dir=False)
     if cli.episodes < 1:
@@ -4451,29 +4732,35 @@ def run_command(config: Config, argv: list[str]):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compile_cache))
         if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX reads it itself when set
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    start, writer, run_dir = None, jax.process_index() == 0, None  # process 0 alone writes the run directory
+    start, sweep, writer, run_dir = None, None, jax.process_index() == 0, None  # process 0 alone writes the run directory
     try:
-        eval_only = {"episodes", "deterministic", "render"} & explicit_fields(argv)
+        eval_only = {"episodes", "point", "deterministic", "render"} & explicit_fields(argv)
         if eval_only and not config.eval:
             raise ConfigError(f"{flag(sorted(eval_only)[0])} only applies with --eval RUN_DIR")
+        if "rank_by" in explicit_fields(argv) and not (config.sweep or config.sweep_set):
+            raise ConfigError("--rank-by only applies to a sweep (--sweep or --sweep-set)")
         if config.eval and config.resume:
             raise ConfigError("--eval and --resume: give one of them")
         if config.eval:
             return run_eval(config, argv)
         check_trackers(config, argv)
-        if config.resume:
+        if config.resume and os.path.isdir(config.resume) and is_sweep_dir(config.resume):
+            sweep, chunk = resume_sweep(config, argv)
+            config = dataclasses.replace(config, sweep_chunk=chunk)
+            run_dir = config.resume if writer else None
+        elif config.resume:
             config, start = resume_config(config, argv)
-            if writer:
-                run_dir = config.resume
-                for name in os.listdir(run_dir):  # left by a kill between a write and its rename
-                    if TEMPORARY_FILE.fullmatch(name):
-                        with contextlib.suppress(OSError):  # (a read-only directory fails at its first write)
-                            os.remove(os.path.join(run_dir, name))
+            run_dir = config.resume if writer else None
         elif config.sweep or config.sweep_set:
             if config.eval_every:
                 raise ConfigError("--eval-every is for single runs: a sweep reports final returns (a point's "
                                   "single run evaluates)")
             sweep = load_sweep(config, command_line_overrides(argv, config))
+            if "rank_by" in explicit_fields(argv):
+                check_rank_by(config.rank_by, sweep.configs[0], "--rank-by")
+                sweep.rank_by = config.rank_by
+            sweep.configs = [dataclasses.replace(c, checkpoint_every=config.checkpoint_every,  # (run-only fields:
+                                                 sweep_chunk=config.sweep_chunk) for c in sweep.configs]  # not the spec's)
             if writer:
                 check_run_dir_is_new(config.run_dir)
                 run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}", "sweep.toml",
@@ -4490,25 +4777,37 @@ def run_command(config: Config, argv: list[str]):
         refused = ConfigError("another process refused the command line (its error line says why)")
     if refused:
         fail(refused)
+    if config.resume and writer:
+        for folder, _, names in os.walk(run_dir):  # left by a kill between a write and its rename
+            for name in names:
+                if TEMPORARY_FILE.fullmatch(name):
+                    with contextlib.suppress(OSError):  # (a read-only directory fails at its first write)
+                        os.remove(os.path.join(folder, name))
 
-    if config.sweep or config.sweep_set:
+    if sweep is not None:
         agents = len(sweep.points) * sum(c.num_seeds for c in sweep.configs)
         groups = [(c, len(sweep.points) * c.num_seeds) for c in sweep.configs]  # run_batch's, per static setting
         layouts = [batch_devices(c, agents_at_once(group, config.sweep_chunk)) for c, group in groups]
         print(f"ppo_jax sweep {sweep.name!r}: {len(sweep.configs)} static setting(s) x {len(sweep.points)} point(s) "
               f"x seeds = {agents} agents, sharded over {max(len(d) for d, _ in layouts)} "
               f"{jax.devices()[0].platform} device(s)"
-              + (", an agent's envs over several" if max(shards for _, shards in layouts) > 1 else ""))
+              + (", an agent's envs over several" if max(shards for _, shards in layouts) > 1 else "")
+              + (", resumed" if config.resume else ""))
         try:
-            settings = run_sweep(sweep, run_dir, config.sweep_chunk, config.quiet, config)
-        except KeyboardInterrupt:
-            exit_at_once(f"\ninterrupted: {run_dir}/ holds the static settings finished so far" if writer
-                         else f"\nprocess {jax.process_index()}: interrupted")
+            settings, status = run_sweep(sweep, run_dir, config.sweep_chunk, config.quiet, config,
+                                         config.resume)
+        except KeyboardInterrupt:  # a second Ctrl-C: the chunk under way is lost, the checkpoint before it stays
+            exit_at_once(f"\nstopped at once. Continue from the last checkpoint with:\n  python ppo_jax.py --resume "
+                         f"{run_dir}" if writer else f"\nprocess {jax.process_index()}: stopped at once")
         except WriteError as error:
-            print(f"error: {error}. {run_dir}/ holds the static settings written before it; a sweep does not "
-                  f"resume: {remedy(error)}, then run it again", file=sys.stderr)
+            print(f"error: {error}. {run_dir}/ holds the chunks written before it: {remedy(error)}, then continue "
+                  f"with python ppo_jax.py --resume {run_dir}", file=sys.stderr)
             raise SystemExit(1)
         print(f"outputs: {run_dir}/")
+        if status.startswith("interrupted"):
+            if writer:
+                print(f"{status}. Continue with:\n  python ppo_jax.py --resume {run_dir}", file=sys.stderr)
+            raise SystemExit(128 + int(signal.Signals[status.split()[2]]))
         return settings
 
     devices, shards = batch_devices(config, agents_at_once(config.num_seeds, config.sweep_chunk))

@@ -24,7 +24,8 @@ import tomllib
 import types
 
 # The CLI's persistent compilation cache goes to a throwaway directory, not ~/.cache (read at import),
-# removed when the test process exits (unless $PPO_JAX_COMPILE_CACHE names one to keep). JAX caches
+# removed when the test process exits (unless $PPO_JAX_COMPILE_CACHE names one to keep; under
+# pytest-xdist, conftest.py chooses it in the main process, so that both workers share it). JAX caches
 # there every program it compiles, from the first test on and in every subprocess (its variables,
 # read when jax is imported; whatever the compile time, so what is cached does not depend on the
 # machine's speed): a program that several tests, or a test and its subprocesses, compile alike is
@@ -1952,6 +1953,7 @@ def test_eval_returns_equal_a_python_loop_and_render_writes_the_episode(tmp_path
 
     frames = Image.open(tmp_path / "episode.gif").n_frames
     assert 1 <= frames <= 500 and frames == int(re.search(r"episode of (\d+) steps", out).group(1))
+    assert f"rendering frame {frames}/{frames}" in out  # a progress line while it draws
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2464,8 +2466,8 @@ kl_target = [0.01]
     assert "normalised score" in out and "agents" in out and "ETA" in out
     assert sorted(os.listdir(run_dir)) == ["aggregates.csv", "curves.png", "final_vs_clip_eps.png",
                                            "final_vs_kl_coef.png", "final_vs_kl_target.png", "final_vs_lr.png",
-                                           "normalized.png", "performance_profile.png", "results.csv", "summary.csv",
-                                           "sweep.toml"]
+                                           "normalized.png", "performance_profile.png", "results.csv", "setting-1",
+                                           "summary.csv", "sweep.toml"]
     rows = (run_dir / "results.csv").read_text().splitlines()
     assert len(rows) == 1 + 3 * 2 and "final_return" in rows[0] and "auc" in rows[0]
     summary = (run_dir / "summary.csv").read_text().splitlines()
@@ -2607,7 +2609,7 @@ def test_sweep_chunk_gives_the_same_runs(tmp_path):
     assert len(whole) == 1 + 2 * 2
     for a, b in zip(whole[1:], chunked[1:]):
         a, b = a.split(","), b.split(",")
-        np.testing.assert_allclose([float(x) for x in b[-3:-1]], [float(x) for x in a[-3:-1]], rtol=1e-5)
+        np.testing.assert_allclose([float(x) for x in b[-2:]], [float(x) for x in a[-2:]], rtol=1e-5)
 
 
 def test_load_run_acts_as_the_evaluation_does(tmp_path):
@@ -2916,12 +2918,19 @@ def test_wandb_offline_runs_hold_metrics_csv(tmp_path, monkeypatch, capsys):
 def test_eval_every_gives_what_eval_gives_on_that_updates_policy(tmp_path, capsys):
     """--eval-every 2 on a run of 4 updates: its eval_return and eval_return_deterministic at update 2
     equal the means that --eval (sampled, and --deterministic) gives on a run stopped there (the same
-    updates: no lr annealing), NaN where no evaluation falls; the columns reach TensorBoard; with a
+    updates: no lr annealing), NaN where no evaluation falls; the columns reach TensorBoard, the
+    printed table (its rows: the evaluated updates) and summary.json (the last evaluation); with a
     sweep it is one line."""
     tiny = ["--num-steps", "32", "--hidden-sizes", "8", "--num-seeds", "2", "--no-anneal-lr", "--quiet",
             "--table-rows", "0"]
-    P.main(tiny + ["--total-timesteps", str(4 * 4 * 32), "--eval-every", "2", "--eval-episodes", "5", "--tensorboard",
-                   "--run-dir", str(tmp_path / "every")])
+    P.main([*tiny[:-1], "5", "--total-timesteps", str(4 * 4 * 32), "--eval-every", "2", "--eval-episodes", "5",
+            "--tensorboard", "--run-dir", str(tmp_path / "every")])
+    table = capsys.readouterr().out.split("final return")[0].splitlines()
+    header = next(line.split() for line in table if line.split()[:2] == ["update", "steps"])
+    rows_shown = [line.split() for line in table if re.match(r"\s+\d+\s+\d+\s", line)]
+    assert header[-2:] == ["eval", "eval_det"] and [int(row[0]) for row in rows_shown] == [2, 4]
+    summary = json.loads((tmp_path / "every" / "summary.json").read_text())
+    assert summary["last_eval_return_update"] == summary["last_eval_return_deterministic_update"] == 4
     P.main(tiny + ["--total-timesteps", str(2 * 4 * 32), "--run-dir", str(tmp_path / "two")])
     sampled = P.main(["--eval", str(tmp_path / "two"), "--episodes", "5"])
     deterministic = P.main(["--eval", str(tmp_path / "two"), "--episodes", "5", "--deterministic"])
@@ -2931,6 +2940,8 @@ def test_eval_every_gives_what_eval_gives_on_that_updates_policy(tmp_path, capsy
         assert np.float32(rows[2, seed]["eval_return"]) == np.float32(np.nanmean(sampled[seed]))
         assert np.float32(rows[2, seed]["eval_return_deterministic"]) == np.float32(np.nanmean(deterministic[seed]))
         assert np.isfinite(float(rows[4, seed]["eval_return"]))
+        assert np.float32(summary["last_eval_return_deterministic_per_seed"][seed]) == \
+            np.float32(rows[4, seed]["eval_return_deterministic"])
         assert np.isnan(float(rows[1, seed]["eval_return"])) and np.isnan(float(rows[3, seed]["eval_return"]))
         scalars = read_tensorboard_scalars(tmp_path / "every" / "tb" / f"seed_{seed}")
         assert sorted(scalars["eval/episodic_return_deterministic"]) == [2 * 4 * 32, 4 * 4 * 32]
@@ -2956,16 +2967,11 @@ def test_quiet_and_table_rows(tmp_path, capsys):
     assert "ETA" not in out and not re.search(r"^\s+\d+\s+\d+\s+", out, re.MULTILINE)
 
 
-def test_a_sweep_of_two_static_settings_with_a_diverging_point(tmp_path, capsys):
-    """A spec with two [[static]] settings and a point that diverges (lr 1e30): the sweep runs both
-    settings to the end, shows the diverged point as NaN (last in the ranking), and the rest as
-    numbers; every output covers both settings; the normalised score is printed."""
-    spec = tmp_path / "two.toml"
-    spec.write_text("""
+TWO_SETTINGS = """
 name = "two"
 normalized_score = true
 [base]
-total_timesteps = 1024
+total_timesteps = 4096
 num_steps = 32
 hidden_sizes = [8]
 [[static]]
@@ -2975,12 +2981,46 @@ num_envs = 8
 hidden_sizes = [16]
 [[grid]]
 lr = [3e-4, 3e-3, 1e30]
-""")
-    run_dir = tmp_path / "out"
-    settings = P.main(["--sweep", str(spec), "--num-seeds", "2", "--run-dir", str(run_dir), "--quiet"])
-    out = capsys.readouterr().out
-    assert [s.config.num_envs for s in settings] == [4, 8] and settings[1].config.hidden_sizes == (16,)
+"""
+
+
+def sweep_outputs(run_dir) -> dict[str, bytes]:
+    """The files of a sweep that must not depend on how it ran (figures and summary.json's timings
+    aside): its tables, and every point's metrics.csv, params.msgpack and config.json."""
+    names = [name for name in ("results.csv", "summary.csv", "aggregates.csv") if (run_dir / name).exists()]
+    names += sorted(os.path.relpath(os.path.join(folder, name), run_dir) for folder, _, files in os.walk(run_dir)
+                    for name in files if name in ("metrics.csv", "params.msgpack", "config.json"))
+    return {name: (run_dir / name).read_bytes() for name in names}
+
+
+def killed_when(argv, words: list[str], sig=subprocess.signal.SIGKILL) -> tuple[int, str]:
+    """`python ppo_jax.py ARGV`, sent `sig` as soon as a progress line holds all of `words` -> (exit code, stderr)."""
+    child = subprocess.Popen([sys.executable, "-u", P.__file__, *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    for line in child.stdout:
+        if all(word in line for word in words):
+            child.send_signal(sig)
+            break
+    child.stdout.read()
+    return child.wait(timeout=300), child.stderr.read()
+
+
+def test_a_sweep_killed_anywhere_resumes_to_the_same_bytes(tmp_path):
+    """Two static settings (named by what they set) x 3 points, one of which diverges (lr 1e30),
+    x 2 seeds. Uninterrupted: both settings run to the end, the diverged point NaN and last in each
+    ranking, every output covers both settings, the normalised score is printed. SIGKILLed inside
+    the first setting, between the settings, inside the second (during a resume), then SIGTERMed
+    (exit 143 and the --resume line), and resumed each time: every table, metrics.csv, params and
+    config byte-identical to the uninterrupted sweep's."""
+    spec = tmp_path / "two.toml"
+    spec.write_text(TWO_SETTINGS)
+    argv = ["--sweep", str(spec), "--num-seeds", "2", "--checkpoint-every", "1"]
+    whole = cli([*argv, "--run-dir", str(tmp_path / "whole"), "--quiet"])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run_dir, out = tmp_path / "whole", whole.stdout
     results = list(csv.DictReader(open(run_dir / "results.csv")))
+    assert [row["static"] for row in results[::6]] == ["1:CartPole-v1 num_envs=4 hidden_sizes=8",
+                                                      "2:CartPole-v1 num_envs=8 hidden_sizes=16"]
     assert len(results) == 2 * 3 * 2
     for row in results:
         assert np.isnan(float(row["final_return"])) == (float(row["lr"]) == 1e30), row
@@ -2988,16 +3028,151 @@ lr = [3e-4, 3e-3, 1e30]
     assert len(summary) == 2 * 3 and len({row["static"] for row in summary}) == 2
     aggregates = list(csv.DictReader(open(run_dir / "aggregates.csv")))
     assert len(aggregates) == 3 and {row["runs"] for row in aggregates} == {"4"}
-    for block in out.split("\n\n")[1:3]:  # each setting's ranking: the diverged point last, as NaN
+    for i, block in enumerate(out.split("\n\n")[1:3]):  # each setting's ranking: the diverged point last, as NaN
         ranked = [line for line in block.splitlines() if re.match(r"\s+\d+\s+lr=", line)]
         assert len(ranked) == 3 and "lr=1e+30" in ranked[-1] and "nan [nan, nan]" in ranked[-1], block
         assert ranked[-1].split()[-4] == "2/2" and ranked[0].split()[-4] == "0/2"  # diverged seeds
+        best = summary[3 * i]["point"]  # summary.csv: best first
+        assert f"best point's policy: {run_dir}/setting-{i + 1}/point-{best}/params.msgpack " \
+            f"(--eval {run_dir} --point {i + 1}:{best})" in block
     scores = out.split("normalised score")[1].splitlines()[2:5]  # IQM, median, mean, optimality gap: each
     assert scores[-1].split()[::3] == ["0.000", "0.000", "0.000", "1.000", "lr=1e+30"]  # a diverged run scores 0
     assert [line.split()[-1] for line in scores[:2]] == [row["label"] for row in aggregates[:2]]
     assert all(float(line.split()[0]) <= 1.5 for line in scores[:2])
     for name in ("curves.png", "final_vs_lr.png", "normalized.png", "performance_profile.png"):
         assert (run_dir / name).exists(), name
+    diverged = json.loads((run_dir / "setting-1" / "point-2" / "summary.json").read_text())
+    assert diverged["status"].startswith("diverged at update 1, seed 0: ")
+
+    stopped, resume = tmp_path / "stopped", ["--resume", str(tmp_path / "stopped")]
+    config = resolve(tomllib.loads(TWO_SETTINGS), ["--num-seeds", "2"]).configs[0]
+    code, _ = killed_when([*argv, "--run-dir", str(stopped)], ["setting 1:", "update 2/32"])
+    assert code == -9
+    keys = np.tile(np.asarray(P.seed_keys(config)), (3, 1))
+    assert 2 <= P.load_checkpoint(str(stopped / "setting-1"), config, keys).updates_done < 32
+    assert not (stopped / "results.csv").exists()
+    code, _ = killed_when(resume, ["setting 2:", "compiling"])  # setting 1 ends, the sweep is killed between
+    assert code == -9 and len((stopped / "results.csv").read_text().splitlines()) == 1 + 6
+    assert killed_when(resume, ["setting 2:", "update 2/16"])[0] == -9
+    code, err = killed_when(resume, ["setting 2:", "update 5/16"], subprocess.signal.SIGTERM)
+    assert code == 143, err[-2000:]
+    assert f"Continue with:\n  python ppo_jax.py --resume {stopped}" in err and "SIGTERM in setting 2:" in err
+    assert not (stopped / "setting-2" / "point-0" / "params.msgpack").exists()
+    done = cli([*resume, "--quiet"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed" in done.stdout and "1:CartPole-v1 num_envs=4 hidden_sizes=8: 3 points x 2 seeds, run before " \
+        "the resume" in done.stdout
+    ours, theirs = sweep_outputs(stopped), sweep_outputs(run_dir)
+    assert len(theirs) == 3 + 2 * 3 * 3 and ours.keys() == theirs.keys()
+    for name in theirs:
+        assert ours[name].replace(str(stopped).encode(), str(run_dir).encode()) == theirs[name], name
+
+
+def test_rank_by_orders_the_points_and_one_seed_has_no_interval(tmp_path, capsys):
+    """--rank-by METRIC ranks a sweep's points by that metrics.csv column's final value (recomputed
+    here from each point's metrics.csv: the episode-weighted mean over the last 10 % of updates),
+    in the table, summary.csv and results.csv; with one seed there is no interval (not a zero-width
+    one). A metric the runs lack, or --rank-by without a sweep: one line, exit 2. The shipped RLHF
+    spec ranks by gold."""
+    tiny = ["--total-timesteps", "2560", "--num-steps", "32", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
+    sweep_dir = tmp_path / "sweep"
+    P.main([*tiny, "--sweep-set", "lr=1e-4,1e-3,3e-3", "--rank-by", "explained_variance", "--run-dir", str(sweep_dir)])
+    out = capsys.readouterr().out
+    finals = []
+    for p in range(3):
+        metrics = read_metrics_csv(sweep_dir / "setting-1" / f"point-{p}" / "metrics.csv")
+        tail = slice(len(metrics["update"]) - 2, None)  # 20 updates: the last 2
+        finals.append(np.sum((metrics["explained_variance"] * metrics["episodes"])[tail]) / np.sum(metrics["episodes"][tail]))
+    summary = list(csv.DictReader(open(sweep_dir / "summary.csv")))
+    assert np.all(np.isfinite(finals)) and [int(row["point"]) for row in summary] == list(np.argsort(finals)[::-1])
+    assert {row["metric"] for row in summary} == {"explained_variance"}
+    np.testing.assert_allclose([float(row["final_iqm"]) for row in summary], sorted(finals)[::-1], rtol=1e-5)
+    assert all(row["final_ci_low"] == row["final_ci_high"] == "nan" for row in summary)
+    assert "final explained_variance IQM [95 % CI]" in out and out.count("[no CI: < 2 seeds]") == 3
+    results = list(csv.DictReader(open(sweep_dir / "results.csv")))
+    np.testing.assert_allclose([float(row["final_explained_variance"]) for row in results], finals, rtol=1e-5)
+    for argv, words in ((["--sweep-set", "lr=1e-4,3e-3", "--rank-by", "gold"], "--rank-by 'gold': not a metric of this "
+                         "sweep's runs; rank by one of env_steps, approx_kl,"),
+                        (["--rank-by", "entropy"], "--rank-by only applies to a sweep")):
+        with pytest.raises(SystemExit) as stop:
+            P.main([*tiny, *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and words in err and err.count("\n") == 1, err
+    with open(os.path.join(os.path.dirname(P.__file__), "sweeps", "rlhf_overoptimization.toml")) as f:
+        assert tomllib.loads(f.read())["rank_by"] == "gold_reward"
+
+
+def test_readme_slurm_script_starts_the_sweep_and_its_requeued_job_resumes_it(tmp_path):
+    """The README's SLURM batch script, run by bash with srun recorded: the job's first start runs
+    the sweep into runs/sweep-lr-$SLURM_JOB_ID, the requeued start (the directory there) resumes it
+    (what a resume does: test_a_sweep_killed_anywhere_resumes_to_the_same_bytes); both parse."""
+    text = open(README).read()
+    script = re.search(r"```bash\n(#!/bin/bash\n.*?)```", text, re.S).group(1)
+    assert "--requeue" in script and "--signal=TERM@120" in script
+    stub = 'srun() { echo "$@" >> calls; mkdir -p "$DIR"; }\n'  # srun, recording; the sweep makes its directory
+    for _ in range(2):
+        subprocess.run(["bash", "-c", stub + script], cwd=tmp_path, env={**os.environ, "SLURM_JOB_ID": "42"}, check=True)
+    first, second = (tmp_path / "calls").read_text().splitlines()
+    assert first == "python ppo_jax.py --sweep sweeps/lr_grid.toml --run-dir runs/sweep-lr-42"
+    assert second == "python ppo_jax.py --resume runs/sweep-lr-42"
+    for line in (first, second):
+        assert P.parse_config(line.split()[2:]).run_dir in ("runs/sweep-lr-42", None)
+    assert os.path.exists(os.path.join(os.path.dirname(P.__file__), "sweeps", "lr_grid.toml"))
+
+
+def test_a_sweeps_points_are_runs_to_evaluate_load_and_start_from(tmp_path, capsys):
+    """Every point of a sweep is a run directory: its metrics.csv is the metrics.csv of the single
+    run with its HParams and seeds, and --eval SWEEP_DIR --point K (its number or its label),
+    load_run(SWEEP_DIR, point=K, seed=S) and --init-params SWEEP_DIR/setting-1/point-K/params.msgpack
+    act as they do on that run. Bad points and a changed sweep.toml are one line, exit 2."""
+    tiny = ["--total-timesteps", "768", "--num-steps", "32", "--hidden-sizes", "8", "--num-seeds", "2", "--quiet",
+            "--table-rows", "0"]
+    sweep_dir, single = tmp_path / "sweep", tmp_path / "single"
+    P.main([*tiny, "--sweep-set", "lr=3e-4,3e-3", "--run-dir", str(sweep_dir)])
+    P.main([*tiny, "--lr", "3e-3", "--run-dir", str(single)])
+    point = sweep_dir / "setting-1" / "point-1"
+    ours, theirs = read_metrics_csv(point / "metrics.csv"), read_metrics_csv(single / "metrics.csv")
+    assert ours.keys() == theirs.keys() and len(theirs["update"]) == 2 * 6
+    for name in theirs:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    capsys.readouterr()
+    expected = P.main(["--eval", str(single), "--episodes", "4", "--deterministic"])
+    for which in ("1", "lr=0.003"):
+        np.testing.assert_array_equal(P.main(["--eval", str(sweep_dir), "--point", which, "--episodes", "4",
+                                              "--deterministic"]), expected)
+    assert len(list(point.glob("eval-*.json"))) == 2
+    obs = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    for seed in (0, 1):
+        np.testing.assert_array_equal(P.load_run(str(sweep_dir), point=1, seed=seed).act(obs),
+                                      P.load_run(str(single), seed=seed).act(obs))
+    started = P.main([*tiny, "--init-params", str(point / "params.msgpack"), "--params-index", "1", "--lr", "1e-12",
+                      "--run-dir", str(tmp_path / "started")])  # (a step of 1e-12: the params it started from)
+    for ours, theirs in zip(jax.tree.leaves(started.policy(0).policy.params),
+                            jax.tree.leaves(P.load_run(str(single), seed=1).policy.params)):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6)
+
+    (tmp_path / "changed").mkdir()
+    shutil.copytree(sweep_dir, tmp_path / "changed" / "sweep")
+    changed = tmp_path / "changed" / "sweep"
+    (changed / "sweep.toml").write_text((changed / "sweep.toml").read_text().replace("lr = [0.003]", "lr = [0.004]"))
+    capsys.readouterr()
+    for argv, words in (
+        (["--eval", str(sweep_dir), "--point", "2"], f"--point 2: {sweep_dir} has points 0 to 1, labelled 'lr=0.0003', 'lr=0.003'"),
+        (["--eval", str(sweep_dir), "--point", "lr=9"], "--point lr=9: "),
+        (["--eval", str(sweep_dir), "--point", "2:1"], f"--point 2:1: {sweep_dir} has static settings 1 to 1"),
+        (["--eval", str(sweep_dir)], f"--eval {sweep_dir} is a sweep: choose its point with --point K"),
+        (["--eval", str(single), "--point", "1"], f"--point 1: {single} is a run, not a sweep"),
+        (["--point", "1"], "--point only applies with --eval RUN_DIR"),
+        (["--resume", str(changed)], f"--resume {changed}: {changed}/sweep.toml has changed since the sweep began"),
+        (["--resume", str(sweep_dir)], f"--resume {sweep_dir}: that sweep is complete"),
+        (["--resume", str(point)], f"--resume {point}: a point of the sweep in {sweep_dir}: resume the sweep"),
+        (["--resume", str(sweep_dir), "--lr", "1"], f"--resume {sweep_dir} uses that run's own"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            P.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1, (argv, err)
+    assert sweep_outputs(changed) == sweep_outputs(sweep_dir)  # the refused resume wrote nothing
 
 
 def test_iqm_and_its_bootstrap_interval():
@@ -3061,24 +3236,25 @@ def test_sweep_figures_fit_long_labels_without_warnings(tmp_path, monkeypatch):
         legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
         assert len(legends) == 1, name
         labels = [text.get_text() for text in legends[0].get_texts()]
-        drawn = sweep.labels if name == "curves.png" else fig.axes[-1].get_legend_handles_labels()[1]
+        best = sorted(np.argsort([-P.iqm(row) for row in finals])[:P.FEW_POINTS])  # curves.png: their colours, the rest grey
+        drawn = ([sweep.labels[p] for p in best] + ["the other 3"] if name == "curves.png"
+                 else fig.axes[-1].get_legend_handles_labels()[1])
         assert len(labels) > 1 and labels == list(drawn), name
         plt.close(fig)  # (save_figure, which closes them, was replaced)
 
 
 def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(tmp_path, monkeypatch):
-    """final_vs_<param>: a line per combination of the other swept parameters, at the mean over seeds
-    with a 95 % Student-t band; a log axis where values span 10x or more (0 at its left edge, "off");
+    """final_vs_<param>: a line per combination of the other swept parameters, at the IQM over seeds
+    (of 3 seeds, their mean) with its 95 % bootstrap band, as the table ranks; a log axis where values span 10x or more (0 at its left edge, "off");
     the base value marked. curves.png: a curve per point, the best on top, only the best 3 shaded
     when there are many, one legend beside the panels. normalized.png: per aggregate a bar per point
     from its CI and a tick at its estimate, ranked as the printed table; performance_profile.png: the
     best points' fraction of runs above each tau."""
     import matplotlib.container
-    from scipy import stats
 
     lrs, clips = [1e-4, 1e-3, 1e-2], [0.1, 0.3]
     sweep = resolve({"base": SWEEP_BASE, "grid": {"lr": lrs, "clip_eps": clips}})
-    sweep.normalized_score = True
+    sweep.normalized_score, sweep.configs = True, sweep.configs * 2  # two static settings alike
     rng = np.random.default_rng(0)
     finals = [rng.normal(100 * (p + 1), 10, size=3) for p in range(len(sweep.points))]  # [6 points, 3 seeds]
     settings = [synthetic_setting(sweep.configs[0], finals, random_return=0.0),
@@ -3093,10 +3269,10 @@ def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(
         points = [p for p, point in enumerate(sweep.points) if point["clip_eps"] == clip]
         np.testing.assert_allclose(line.get_xdata(), lrs)
         np.testing.assert_allclose(line.get_ydata(), [np.mean(finals[p]) for p in points], rtol=1e-5)
-    band = ax.collections[0].get_paths()[0].vertices  # the first line's 95 % CI, from scipy's t
-    half = stats.t.ppf(0.975, 2) * np.std(finals[0], ddof=1) / np.sqrt(3)
+    band = ax.collections[0].get_paths()[0].vertices  # the first line's 95 % CI: the bootstrap's
     at_first = band[np.isclose(band[:, 0], lrs[0]), 1]
-    np.testing.assert_allclose([at_first.min(), at_first.max()], np.mean(finals[0]) + np.array([-half, half]), rtol=1e-4)
+    np.testing.assert_allclose([at_first.min(), at_first.max()], P.iqm_and_ci(finals[0])[1:], rtol=1e-5)
+    assert ax.get_ylabel() == "final return (IQM over seeds, 95 % CI)"
     assert [line.get_xdata() for line in ax.get_lines() if line.get_label().startswith("base")][0][0] == 2.5e-4
     ax = figures["final_vs_clip_eps.png"].axes[1]
     assert ax.get_xscale() == "linear" and len(data_lines(ax)) == 3
@@ -3146,8 +3322,7 @@ def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(
     assert ax.get_legend_handles_labels()[1] == ["clip_eps=0.2", "base (0.00025)", "clip_eps=0"]
     (lone,) = [c for c in ax.containers if isinstance(c, matplotlib.container.ErrorbarContainer)]  # a point alone
     ((_, low), (_, high)), = lone.lines[2][0].get_segments()
-    np.testing.assert_allclose([low, high], 6.5 + np.array([-1, 1]) * stats.t.ppf(0.975, 1) * np.std([5, 8], ddof=1)
-                               / np.sqrt(2), rtol=1e-5)
+    np.testing.assert_allclose([low, high], [5, 8])  # 2 seeds' bootstrap: resamples 5,5 .. 8,8
 
 
 def test_normalized_score_is_0_for_the_random_policy_and_1_for_the_best_point():
@@ -3252,8 +3427,6 @@ def on_devices(argv, devices: int) -> subprocess.CompletedProcess:
                           env={**os.environ, "JAX_NUM_CPU_DEVICES": str(devices)})
 
 
-def results_without_speed(path) -> list[list[str]]:
-    return [row[:-1] for row in csv.reader(open(path))]  # the last column is agents' steps per second
 
 
 DISTRIBUTED_TINY = ["--total-timesteps", str(4 * 32 * 12), "--num-steps", "32", "--hidden-sizes", "16",
@@ -3261,23 +3434,35 @@ DISTRIBUTED_TINY = ["--total-timesteps", str(4 * 32 * 12), "--num-steps", "32", 
 
 
 def test_distributed_sweep_equals_one_process_with_as_many_devices(tmp_path):
-    """3 points x 2 seeds over 3 processes, in chunks of 4 agents (padded to the devices), give the
-    results.csv of one process with as many devices; process 0 writes and reports, the others say
-    one line each. (Two processes: the run below.)"""
+    """3 points x 2 seeds over 3 processes, in chunks of 4 agents (padded to the devices): SIGTERM
+    to process 0 stops all three after the same chunk (exit 143), and --resume over 3 processes
+    (process 0 writes, all read the checkpoint) ends with the results.csv and every point's
+    metrics.csv and params of one process with as many devices, byte for byte; process 0 writes
+    and reports, the others say one line each. (Two processes: the run below.)"""
     processes = 3
     argv = [*DISTRIBUTED_TINY, "--sweep-set", "lr=1e-4,1e-3,1e-2", "--sweep-chunk", "4"]
-    ends = finish(launch([*argv, "--run-dir", str(tmp_path / "many")], processes))
+    many = tmp_path / "many"
+    popens = launch([*[a for a in argv if a != "--quiet"], "--run-dir", str(many)], processes)
+    for line in popens[0].stdout:  # no sleeping: signal on a progress line
+        if "update 3/12" in line:
+            popens[0].send_signal(subprocess.signal.SIGTERM)
+            break
+    ends = finish(popens)
+    assert [code for code, _, _ in ends] == [143] * processes, [err[-2000:] for _, _, err in ends]
+    assert f"Continue with:\n  python ppo_jax.py --resume {many}" in ends[0][2]
+    ends = finish(launch(["--resume", str(many), "--sweep-chunk", "4", "--quiet"], processes))
     for i, (code, out, err) in enumerate(ends):
         assert code == 0, (i, err[-3000:])
         if i:
             assert own_lines(out) == [f"process {i} of {processes}: done (1 of the {processes} cpu devices; "
                                       "process 0 writes the outputs)"], out
-    assert f"x seeds = 6 agents, sharded over {processes} cpu device(s)" in ends[0][1]
+    assert f"x seeds = 6 agents, sharded over {processes} cpu device(s), resumed" in ends[0][1]
     one = on_devices([*argv, "--run-dir", str(tmp_path / "one")], processes)
     assert one.returncode == 0, one.stderr[-3000:]
-    expected = results_without_speed(tmp_path / "one" / "results.csv")
-    assert len(expected) == 1 + 6 and results_without_speed(tmp_path / "many" / "results.csv") == expected
-    assert sorted(os.listdir(tmp_path / "many")) == sorted(os.listdir(tmp_path / "one"))
+    expected = sweep_outputs(tmp_path / "one")
+    assert (tmp_path / "one" / "results.csv").read_text().count("\n") == 1 + 6 and len(expected) == 2 + 3 * 3
+    assert {name: data.replace(str(many).encode(), str(tmp_path / "one").encode())
+            for name, data in sweep_outputs(many).items()} == expected
 
 
 def test_distributed_run_stops_on_one_signal_resumes_and_equals_one_process(tmp_path):
