@@ -2371,9 +2371,11 @@ import test_ppo_jax as T
 assert jax.device_count() == 4, jax.devices()
 hparams = T.ENV_SHARDED_HPARAMS
 configs = T.env_sharded_configs(4, 2)
-out = {}
+out, seen, to_host = {}, [], P.to_host
+P.to_host = lambda tree: seen.append(tree) or to_host(tree)  # what run_batch hands to the host
 for name, config in configs.items():
     result = P.run(config)
+    state = seen[-1] if name == "one" else state  # the device state of its last chunk
     assert result.num_devices == config.env_devices, (name, result.num_devices)
     out.update({f"{name}/{k}": v for k, v in result.metrics.items()})
     out.update({f"{name}/params/{i}": x for i, x in enumerate(jax.tree.leaves(result.state.params))})
@@ -2393,11 +2395,7 @@ resumed = P.run_batch(config, P.seed_keys(config), P.stack_hparams([hparams]), s
 for k, v in whole.metrics.items():
     np.testing.assert_array_equal(resumed.metrics[k], v, err_msg=k)
 # What is not sharded (params, Adam's state, statistics) stays one identical copy on every device.
-seen, to_host = [], P.to_host
-P.to_host = lambda tree: seen.append(tree) or to_host(tree)
-P.run(configs["one"])
 P.to_host = to_host
-state = seen[-1]  # the device state of the last chunk, as run_batch hands it to the host
 copies = jax.tree.leaves((state.params, state.opt_state, state.obs_stats, state.reward_stats, state.kl_coef))
 for leaf in copies:
     parts = [np.asarray(shard.data) for shard in leaf.addressable_shards]
