@@ -341,7 +341,7 @@ def sweep_outputs(points: int, seeds: int, updates: int, chunks: int = 20) -> di
     sweep = P.Sweep("bench", [config], [{"lr": float(lr)} for lr in np.geomspace(1e-5, 1e-2, points)],
                     [f"lr={lr:.4g}" for lr in np.geomspace(1e-5, 1e-2, points)], ["lr"], False, "")
     agents = points * seeds
-    keys = np.tile(np.asarray(P.seed_keys(config)), (points, 1))
+    keys = sweep.keys(config)
     state = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), P.abstract_train_state(config, keys))
     names = [name for name in P.metric_names(config) if name != "env_steps"]
     rng = np.random.default_rng(0)

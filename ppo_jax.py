@@ -2591,6 +2591,13 @@ class Sweep:
     def hparams(self, config: Config) -> list[HParams]:
         return [dataclasses.replace(config.hparams, **point) for point in self.points]
 
+    def keys(self, config: Config) -> np.ndarray:  # [points * seeds, 2], point-major: agent p * S + s
+        return np.tile(np.asarray(seed_keys(config)), (len(self.points), 1))
+
+    @property
+    def metric(self) -> str:  # the ranking metric as the table and figures name it
+        return "return" if self.rank_by == "episode_return" else self.rank_by
+
 
 def coerce(name: str, value, template, where: str):
     """A spec value, checked against the type of the field's default."""
@@ -2992,7 +2999,7 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting], run_dir: str = "
             ["metric", "final_mean", "final_std", "final_iqm", "final_ci_low", "final_ci_high", "auc_mean", "auc_std",
              "num_seeds"]]
     text = []
-    metric = "return" if sweep.rank_by == "episode_return" else sweep.rank_by
+    metric = sweep.metric
     for i, setting in enumerate(settings):
         final, auc = setting.final(sweep.rank_by), setting.auc()
         final_mean, final_std = np.nanmean(final, 1), np.nanstd(final, 1)
@@ -3117,7 +3124,7 @@ def plot_final_vs(ax, name: str, sweep: Sweep, setting: SweepSetting) -> None:
         ax.minorticks_off()
     distinct = sorted(set(values.tolist()))
     ax.set_xticks(place(distinct), ["off" if v == 0 and log else format_value(v) for v in distinct], fontsize=7)
-    metric = "return" if sweep.rank_by == "episode_return" else sweep.rank_by
+    metric = sweep.metric
     ax.set(xlabel=name + (" (log axis)" if log else ""), ylabel=f"final {metric} (IQM over seeds, 95 % CI)")
     ax.grid(alpha=0.3)
 
@@ -3155,7 +3162,7 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
     handles = [matplotlib.lines.Line2D([], [], color=colors[p], lw=1.5, label=sweep.labels[p]) for p in sorted(shown)]
     if len(shown) < points:
         handles.append(matplotlib.lines.Line2D([], [], color="0.75", lw=0.8, label=f"the other {points - len(shown)}"))
-    metric = "return" if sweep.rank_by == "episode_return" else sweep.rank_by
+    metric = sweep.metric
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7,
                title=(f"point (bold: best by final {metric} IQM; shaded: min-max of the best 3"
                       + (f"; grey: beyond each panel's best {FEW_POINTS})" if len(shown) < points else ")"))
@@ -3330,7 +3337,7 @@ def run_sweep(sweep: Sweep, run_dir: str | None, chunk_size: int = 0, quiet: boo
     progress, settings, done_before, text = Progress(total, quiet=quiet), [], 0, ""
     with StopRequests() as stop:
         for i, config in enumerate(sweep.configs):
-            keys = np.tile(np.asarray(seed_keys(config)), (len(sweep.points), 1))  # point-major: [p * S + s]
+            keys = sweep.keys(config)
             hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
             agents = len(sweep.points) * config.num_seeds
             start = None
