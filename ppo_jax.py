@@ -56,7 +56,7 @@ import tomllib
 import traceback
 import types
 import warnings
-from typing import Annotated, Any, Literal, Sequence
+from typing import Annotated, Any, Callable, Literal, Sequence
 
 import jax
 
@@ -1976,6 +1976,10 @@ RUN_FIELDS = {  # not part of a spec: they change how a run is driven and report
     *DISTRIBUTED_FIELDS}
 
 
+# The run-only fields a sweep's settings take from the command line (resumed: from its points' config.json).
+SWEEP_RUN_FIELDS = ("checkpoint_every", "sweep_chunk", "eval_every", "eval_episodes")
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -2111,8 +2115,8 @@ def validate_estimator(config: Config) -> None:
 class RunResult:
     state: TrainState  # numpy leaves with a leading [batch] axis (agents: points x seeds)
     metrics: dict[str, np.ndarray]  # name -> [batch, updates done]; includes env_steps
-    lower_seconds: float  # both programs (init and a chunk of updates); the init compiles meanwhile
-    compile_seconds: float  # what compiling takes after that
+    lower_seconds: float  # tracing and lowering both programs (init and a chunk of updates)
+    compile_seconds: float  # compiling them (the init on a second thread)
     run_seconds: float
     num_devices: int = 1  # the batch axis was sharded over this many devices
     steps_run: int = 0  # environment steps this call ran, all agents together (less than the run's when resumed)
@@ -2224,23 +2228,35 @@ def agents_at_once(agents: int, chunk_size: int) -> int:
     return min(chunk_size or agents, agents)
 
 
-def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_chunk=None, timed_runs: int = 0,
-              start: Checkpoint | None = None) -> RunResult:
-    """Train a batch of agents of one static config: keys [B, 2] and HParams leaves [B] are vmapped
-    together. Two jitted programs: init, and a chunk of chunk_length(config) updates, which the run
-    calls until every update is done (its state donated, on accelerators). The batch axis is sharded
-    over batch_devices (padded to a multiple of the device count by repeating the last agent; the
-    padding is dropped after; on CPU, a device per core); where there are more devices than agents,
-    each agent's envs are sharded too (a 2-D mesh, batch x ENV_AXIS: the chunk program is a
-    shard_map, each device's program stepping its envs). With chunk_size, the agents run
-    in groups of that many through the same compiled programs (each chunk of updates, group after
-    group).
+@dataclasses.dataclass
+class LoweredBatch:
+    """A batch's two programs lowered, not compiled (lower_batch), and its agents laid out for them:
+    in groups of `group` (padded by repeating the last agent), each group's inputs on its devices."""
 
-    on_chunk(updates_done, metrics, state) is called once when the programs are compiled and
-    after every chunk: metrics so far [B, updates_done] with env_steps, and state() fetches the
-    TrainState [B] to the host. If it returns True, the run stops there. `start` continues a run
-    from a checkpoint instead of init. For benchmarks: with timed_runs > 0 the whole batch runs
-    timed_runs more times after the first (a warm-up), and run_seconds is the median of those."""
+    init: Any  # jax.stages.Lowered: (a group's keys, its HParams) -> its TrainState
+    advance: Any  # (TrainState, HParams, updates to run) -> (TrainState, metrics [group, chunk_length])
+    size: int  # the batch's agents (without the padding)
+    group: int
+    num_devices: int
+    put: Callable  # (host array, PartitionSpec) -> the array on the group's devices
+    state_specs: TrainState  # of PartitionSpecs
+    group_keys: list
+    group_hparams: list
+    lower_seconds: float
+
+    def groups(self, tree) -> list:  # host leaves [size, ...] -> per group, padded, on its devices (as `specs`)
+        padded = jax.tree.map(lambda x: np.concatenate([x, np.repeat(x[-1:], len(self.group_keys) * self.group
+                                                                     - self.size, axis=0)]), tree)
+        return [jax.tree.map(lambda spec, field: jax.tree.map(
+            lambda x: self.put(x[i * self.group:(i + 1) * self.group], spec), field), self.state_specs, padded)
+            for i in range(len(self.group_keys))]
+
+
+def lower_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0) -> LoweredBatch:
+    """run_batch's programs for a batch (keys [B, 2], HParams leaves [B]), jitted with their
+    shardings and lowered, for this machine, or inside lowering_for(...), for the platforms named
+    there (the accelerators' branches taken)."""
+    timer = time.perf_counter()
     keys = np.asarray(keys)
     size = keys.shape[0]
     group = agents_at_once(size, chunk_size)
@@ -2273,7 +2289,7 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
         advance_batch = jax.vmap(lambda state, hp, n: advance(state, hp, length, n), in_axes=(0, hparams_axes, None))
     # The chunk program's input state is donated to its output on accelerators (memory). Not on CPU,
     # where donating ran slower and a state's extra copy in host memory is small.
-    donated = () if jax.default_backend() == "cpu" else 0
+    donated = () if on_cpu() else 0
     batched, replicated = PartitionSpec("batch"), PartitionSpec()
     env_leaves = PartitionSpec("batch", ENV_AXIS)  # [agents, envs, ...]
     state_specs = TrainState.sharding(batched, env_leaves)
@@ -2302,17 +2318,39 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     group_keys = [put(slice_of(keys, True, i), batched) for i in range(num_groups)]
     group_hparams = [jax.tree.map(lambda x, v: put(slice_of(x, v, i), batched if v else replicated), hparams, varies)
                      for i in range(num_groups)]
+    with collector_paused():
+        lowered_init = lower(init_batch, group_keys[0], group_hparams[0])
+        lowered_advance = lower(advance_batch, lowered_init.out_info, group_hparams[0], put(np.int32(length), replicated))
+    return LoweredBatch(lowered_init, lowered_advance, size, group, num_devices, put, state_specs, group_keys,
+                        group_hparams, time.perf_counter() - timer)
+
+
+def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_chunk=None, timed_runs: int = 0,
+              start: Checkpoint | None = None) -> RunResult:
+    """Train a batch of agents of one static config: keys [B, 2] and HParams leaves [B] are vmapped
+    together. Two jitted programs (lower_batch): init, and a chunk of chunk_length(config) updates,
+    which the run calls until every update is done (its state donated, on accelerators). The batch
+    axis is sharded over batch_devices (padded to a multiple of the device count by repeating the
+    last agent; the padding is dropped after; on CPU, a device per core); where there are more
+    devices than agents, each agent's envs are sharded too (a 2-D mesh, batch x ENV_AXIS: the chunk
+    program is a shard_map, each device's program stepping its envs). With chunk_size, the agents
+    run in groups of that many through the same compiled programs (each chunk of updates, group
+    after group).
+
+    on_chunk(updates_done, metrics, state) is called once when the programs are compiled and
+    after every chunk: metrics so far [B, updates_done] with env_steps, and state() fetches the
+    TrainState [B] to the host. If it returns True, the run stops there. `start` continues a run
+    from a checkpoint instead of init. For benchmarks: with timed_runs > 0 the whole batch runs
+    timed_runs more times after the first (a warm-up), and run_seconds is the median of those."""
+    lowered = lower_batch(config, keys, hparams, chunk_size)
+    size, num_groups, put = lowered.size, len(lowered.group_keys), lowered.put
+    length, replicated = chunk_length(config), PartitionSpec()
     timer = time.perf_counter()
-    # Compile time: XLA compiles the init program on a second thread while this one lowers the chunk
-    # program (Python, one core).
+    # Compile time: XLA compiles the init program on a second thread while this one compiles the chunk program.
     with collector_paused(), concurrent.futures.ThreadPoolExecutor(1) as pool:
-        lowered_init = init_batch.lower(group_keys[0], group_hparams[0])
-        init_compiled = pool.submit(lowered_init.compile, init_xla_options())
-        lowered_advance = advance_batch.lower(lowered_init.out_info, group_hparams[0],
-                                              put(np.int32(length), replicated))
-        lowered_at = time.perf_counter()
-        compiled_advance, compiled_init = lowered_advance.compile(xla_options(config)), init_compiled.result()
-    compiled_at = time.perf_counter()
+        init_compiled = pool.submit(lowered.init.compile, init_xla_options())
+        compiled_advance, compiled_init = lowered.advance.compile(xla_options(config)), init_compiled.result()
+    compile_seconds = time.perf_counter() - timer
 
     def host_state(states):
         return jax.tree.map(lambda *parts: np.concatenate(parts)[:size], *[to_host(s) for s in states])
@@ -2325,12 +2363,10 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     for _ in range(1 + timed_runs):
         run_start = time.perf_counter()
         if start is None:
-            states, metrics = [compiled_init(group_keys[i], group_hparams[i]) for i in range(num_groups)], None
+            states, metrics = [compiled_init(lowered.group_keys[i], lowered.group_hparams[i])
+                               for i in range(num_groups)], None
         else:
-            padded = jax.tree.map(pad, start.state)
-            states = [jax.tree.map(lambda spec, field: jax.tree.map(lambda x: put(slice_of(x, True, i), spec), field),
-                                   state_specs, padded) for i in range(num_groups)]
-            metrics = start.metrics
+            states, metrics = lowered.groups(start.state), start.metrics
         first_done = done = 0 if start is None else start.updates_done
         if on_chunk:
             on_chunk(done, None if metrics is None else with_env_steps(metrics, config.batch_size),
@@ -2341,7 +2377,8 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
             parts = []
             for i in range(num_groups):
                 active = put(np.int32(num_active), replicated)
-                states[i], chunk_metrics = call_interruptibly(advance_to_host, states[i], group_hparams[i], active)
+                states[i], chunk_metrics = call_interruptibly(advance_to_host, states[i], lowered.group_hparams[i],
+                                                              active)
                 parts.append(chunk_metrics)
             new = jax.tree.map(lambda *p: np.concatenate(p)[:size, :num_active], *parts)
             if metrics is not None:  # (an older checkpoint's lack metrics added since: NaN before the resume)
@@ -2352,8 +2389,8 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
             stop = on_chunk and on_chunk(done, with_env_steps(metrics, config.batch_size), lambda: host_state(states))
         seconds.append(time.perf_counter() - run_start)
     run_seconds = float(np.median(seconds[-timed_runs:])) if timed_runs else seconds[0]
-    return RunResult(host_state(states), with_env_steps(metrics, config.batch_size), lowered_at - timer,
-                     compiled_at - lowered_at, run_seconds, num_devices, (done - first_done) * config.batch_size * size,
+    return RunResult(host_state(states), with_env_steps(metrics, config.batch_size), lowered.lower_seconds,
+                     compile_seconds, run_seconds, lowered.num_devices, (done - first_done) * config.batch_size * size,
                      config)
 
 
@@ -2452,20 +2489,44 @@ class StopRequests:
 EVAL_METRICS = ("eval_return", "eval_return_deterministic")  # --eval-every's columns
 
 
-class Evaluator:
-    """--eval-every: evaluate's programs (sampled, and the policy's mode), compiled once per run, with
-    the keys --eval --seed SEED uses -> each seed's mean return over --eval-episodes episodes."""
+class Evaluations:
+    """--eval-every's results for a batch of agents (a run's seeds, a sweep setting's points x seeds):
+    EVAL_METRICS [agents, num_updates], NaN where no evaluation fell. When a chunk ends on a multiple
+    of eval_every, evaluate's programs (sampled, and the policy's mode; compiled at the first) run on
+    every agent's policy, agent a with its HParams and key a: the keys --eval --seed SEED uses on
+    that agent's run, so that each mean is what --eval of its policy gives. `so_far`: a resumed
+    run's evaluations (from its checkpoint)."""
 
-    def __init__(self, config: Config):
-        self.programs = {name: evaluation_program(config, config.eval_episodes, deterministic)
-                         for name, deterministic in zip(EVAL_METRICS, (False, True))}
-        self.keys = seed_keys(config)
+    def __init__(self, config: Config, hparams: HParams, keys, so_far: dict[str, np.ndarray] | None = None):
+        self.config, self.hparams, self.keys, self.programs = config, hparams, np.asarray(keys), None
+        self.values = {name: np.full((len(self.keys), config.num_updates), np.nan, np.float32)
+                       for name in EVAL_METRICS} if config.eval_every else {}
+        for name, values in (so_far or {}).items():
+            self.values[name][:, :values.shape[1]] = values
 
-    def __call__(self, policies: Policy) -> dict[str, np.ndarray]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # a seed none of whose episodes ended: NaN
-            return {name: np.nanmean(np.asarray(program(policies, self.keys)), axis=1)
-                    for name, program in self.programs.items()}
+    def add(self, done: int, metrics, state=None):
+        """metrics with the evaluation columns up to update `done`, evaluating first if one falls there
+        and `state` is given -> (metrics, the host state if it was fetched, else None)."""
+        host = None
+        if state is not None and self.config.eval_every and done % self.config.eval_every == 0:
+            host = state()
+            self.programs = self.programs or {name: evaluation_program(self.config, self.config.eval_episodes, mode)
+                                              for name, mode in zip(EVAL_METRICS, (False, True))}
+            policies = Policy(host.params, host.obs_stats)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # an agent none of whose episodes ended: NaN
+                for name, program in self.programs.items():
+                    self.values[name][:, done - 1] = np.nanmean(np.asarray(program(policies, self.keys, self.hparams)), 1)
+        return {**metrics, **{name: values[:, :done] for name, values in self.values.items()}}, host
+
+
+def without_evaluations(start: Checkpoint | None) -> tuple[Checkpoint | None, dict[str, np.ndarray]]:
+    """A checkpoint's metrics split into run_batch's and the evaluations so far (--eval-every's: the
+    recorder's, not run_batch's)."""
+    if start is None:
+        return None, {}
+    evaluations = {name: start.metrics[name] for name in EVAL_METRICS if name in start.metrics}
+    return dataclasses.replace(start, metrics={k: v for k, v in start.metrics.items() if k not in EVAL_METRICS}), evaluations
 
 
 class RunRecorder:
@@ -2477,27 +2538,14 @@ class RunRecorder:
     def __init__(self, config: Config, run_dir: str | None, stop: StopRequests,
                  evaluations: dict[str, np.ndarray] | None = None, written: int = 0):
         self.config, self.run_dir, self.stop = config, run_dir, stop
-        self.done = self.progress = self.diverged = self.evaluate = None
+        self.done = self.progress = self.diverged = None
         self.trackers: list[Tracker] = []  # --tensorboard, --wandb-project: from update `written` on
         if run_dir is not None:
             self.trackers = trackers(run_dir, [f"seed_{i}" for i in range(config.num_seeds)],
                                      [config] * config.num_seeds, written)
         self.last_finite: TrainState | None = None  # the state of the last checkpoint (None: none yet)
-        self.evaluations = {name: np.full((config.num_seeds, config.num_updates), np.nan, np.float32)
-                            for name in EVAL_METRICS} if config.eval_every else {}
-        for name, values in (evaluations or {}).items():
-            self.evaluations[name][:, :values.shape[1]] = values
-
-    def with_evaluations(self, done: int, metrics, state=None):
-        """metrics with the evaluation columns up to update `done` (--eval-every), evaluating first if
-        one falls there and `state` is given -> (metrics, the host state if it was fetched, else None)."""
-        host = None
-        if state is not None and self.config.eval_every and done % self.config.eval_every == 0:
-            host = state()
-            self.evaluate = self.evaluate or Evaluator(self.config)
-            for name, means in self.evaluate(Policy(host.params, host.obs_stats)).items():
-                self.evaluations[name][:, done - 1] = means
-        return {**metrics, **{name: values[:, :done] for name, values in self.evaluations.items()}}, host
+        self.evaluations = Evaluations(config, stack_hparams([config.hparams] * config.num_seeds), seed_keys(config),
+                                       evaluations)
 
     def write(self, function, *args) -> None:
         if self.run_dir is not None:
@@ -2512,9 +2560,9 @@ class RunRecorder:
             self.progress = Progress(self.config.num_updates, done, self.config.quiet or jax.process_index() > 0)
             if metrics is not None:
                 self.last_finite = state()
-                self.write(append_metrics_csv, csv_path, self.with_evaluations(done, metrics)[0])
+                self.write(append_metrics_csv, csv_path, self.evaluations.add(done, metrics)[0])
             return False
-        metrics, host = self.with_evaluations(done, metrics, state)
+        metrics, host = self.evaluations.add(done, metrics, state)
         self.write(append_metrics_csv, csv_path, metrics)
         for tracker in self.trackers:
             tracker.add(metrics)
@@ -2542,10 +2590,7 @@ def train_run(config: Config, run_dir: str | None, start: Checkpoint | None = No
     """A single run (config.num_seeds seeds) into its run directory, chunk by chunk (see
     RunRecorder), from `start` when resumed, then its outputs (write_outputs) -> (result, status):
     "complete", "interrupted by SIGINT/SIGTERM" or "diverged at update U, seed S: M = v"."""
-    evaluations = {}
-    if start is not None:  # the evaluations so far (--eval-every) are the recorder's, not run_batch's
-        evaluations = {name: start.metrics[name] for name in EVAL_METRICS if name in start.metrics}
-        start = dataclasses.replace(start, metrics={k: v for k, v in start.metrics.items() if k not in EVAL_METRICS})
+    start, evaluations = without_evaluations(start)
     with StopRequests() as stop:
         recorder = RunRecorder(config, run_dir, stop, evaluations, start.updates_done if start else 0)
         hparams = stack_hparams([config.hparams] * config.num_seeds)
@@ -2554,8 +2599,7 @@ def train_run(config: Config, run_dir: str | None, start: Checkpoint | None = No
             result = run_batch(config, seed_keys(config), hparams, config.sweep_chunk, recorder, start=start)
             recorder.progress.end()
             done = result.metrics["env_steps"].shape[1]
-            result = dataclasses.replace(result, metrics={**result.metrics, **{
-                name: values[:, :done] for name, values in recorder.evaluations.items()}})
+            result = dataclasses.replace(result, metrics=recorder.evaluations.add(done, result.metrics)[0])
             if recorder.diverged:  # keep the last finite state: the final params are not worth having
                 result, status = dataclasses.replace(result, state=recorder.last_finite), f"diverged at {recorder.diverged}"
             elif result.metrics["env_steps"].shape[1] < config.num_updates:
@@ -2705,6 +2749,7 @@ def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, 
         config = apply_overrides(default_config(env), base, f"{where} [base]", STATIC_FIELDS - RUN_FIELDS | HPARAM_FIELDS)
         config = apply_overrides(config, static, f"{where} [[static]] {i + 1}", STATIC_FIELDS - RUN_FIELDS | HPARAM_FIELDS)
         config = apply_overrides(config, explicit, "command line")
+        config = dataclasses.replace(config, **{name: getattr(cli, name) for name in SWEEP_RUN_FIELDS})
         validate(config, check_run_dir=False)
         configs.append(config)
 
@@ -2736,12 +2781,14 @@ def metric_names(config: Config) -> list[str]:
     """The columns of metrics.csv a run of `config` writes (its program traced, not compiled)."""
     config = dataclasses.replace(config, init_params=None, ref_params=None)  # (their files: not needed to trace)
     _, metrics = jax.eval_shape(make_train(config), jax.random.PRNGKey(0), config.hparams)
-    return ["env_steps", *sorted(metrics)]
+    return ["env_steps", *sorted(metrics), *(EVAL_METRICS if config.eval_every else ())]
 
 
 def check_rank_by(name, config: Config, where: str) -> None:
     if name == "episode_return":
         return
+    if name in EVAL_METRICS and not config.eval_every:
+        raise ConfigError(f"{where} {name!r}: --eval-every's evaluation; give --eval-every N (and --eval-episodes)")
     names = metric_names(config) if isinstance(name, str) else []
     if name not in names:
         raise ConfigError(f"{where} {name!r}: not a metric of this sweep's runs; rank by one of {', '.join(names)}")
@@ -2785,6 +2832,11 @@ def load_sweep(cli: Config, explicit: dict[str, Any]) -> Sweep:
 def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> float:
     """Mean return of complete episodes under uniformly random actions (the 0 of normalised
     scores), over one episode limit's worth of steps in num_envs envs."""
+    return float(random_policy_program(config, num_envs)(jax.random.PRNGKey(seed)))
+
+
+def random_policy_program(config: Config, num_envs: int):
+    """random_policy_return's jitted program: key -> the mean return."""
     env = VecEnv(config.env, num_envs, config.env_params)
     space = env.env.action_space(env.env_params)
     steps = min(env.episode_limit(default=1000), 10_000) + 1  # one whole episode even at the limit (Freeway: 2500)
@@ -2806,7 +2858,7 @@ def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> f
         _, (returns, done) = jax.lax.scan(step, env_state, inputs)
         return returns.sum() / done.sum()
 
-    return float(rollout(jax.random.PRNGKey(seed)))
+    return rollout
 
 
 @dataclasses.dataclass
@@ -2826,7 +2878,8 @@ class SweepSetting:
         return np.any(bad, axis=0)
 
     def final(self, name: str = "episode_return") -> np.ndarray:  # [points, seeds]; NaN where the agent diverged
-        final = final_return(self.result.metrics, name=name).reshape(-1, self.config.num_seeds)
+        final = (last_evaluation(self.result.metrics, name)[0] if name in EVAL_METRICS else  # (--eval-every's)
+                 final_return(self.result.metrics, name=name)).reshape(-1, self.config.num_seeds)
         return np.where(self.diverged(), np.nan, final)  # (its policy acts on NaNs)
 
     def final_iqm(self, name: str = "episode_return") -> np.ndarray:  # [points]: over the seeds that did not diverge
@@ -2910,18 +2963,20 @@ def resolved_sweep_toml(sweep: Sweep, source: str) -> str:
 
 def results_rows(sweep: Sweep, settings: list[SweepSetting]) -> list[list[str]]:
     """results.csv: one row per setting x point x seed: every HParam, final return, area under the
-    curve (nothing that depends on the machine's speed: a resumed sweep writes the same bytes)."""
+    curve, --eval-every's last evaluations, the ranking metric's final value (nothing that depends
+    on the machine's speed: a resumed sweep writes the same bytes)."""
     hparam_names = [f.name for f in dataclasses.fields(HParams)]
-    ranked = [f"final_{sweep.rank_by}"] if sweep.rank_by != "episode_return" else []  # the ranking metric's
-    rows = [["static", "env", "point", "label", "seed"] + hparam_names + ["final_return", "auc"] + ranked]
+    evaluated = list(EVAL_METRICS) if sweep.configs[0].eval_every else []  # --eval-every's, at the last evaluation
+    ranked = [sweep.rank_by] if sweep.rank_by not in ("episode_return", *evaluated) else []  # the ranking metric's
+    rows = [["static", "env", "point", "label", "seed"] + hparam_names + ["final_return", "auc"] +
+            [f"last_{name}" for name in evaluated] + [f"final_{name}" for name in ranked]]
     for i, setting in enumerate(settings):
-        finals, aucs, ranks = setting.final(), setting.auc(), setting.final(sweep.rank_by)
+        values = [setting.final(), setting.auc()] + [setting.final(name) for name in evaluated + ranked]
         for p, hparams in enumerate(sweep.hparams(setting.config)):
             for seed in range(setting.config.num_seeds):
                 rows.append([setting_name(sweep, i), setting.config.env, str(p), sweep.labels[p], str(seed)] +
                             [format_value(getattr(hparams, n)) for n in hparam_names] +
-                            [f"{finals[p, seed]:.6g}", f"{aucs[p, seed]:.6g}"] +
-                            [f"{ranks[p, seed]:.6g}" for _ in ranked])
+                            [f"{value[p, seed]:.6g}" for value in values])
     return rows
 
 
@@ -3005,21 +3060,22 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting], run_dir: str = "
         final_mean, final_std = np.nanmean(final, 1), np.nanstd(final, 1)
         auc_mean, auc_std = np.nanmean(auc, 1), np.nanstd(auc, 1)
         iqms = [iqm_and_ci(final[p]) for p in range(len(sweep.points))]
-        digits = 1 if sweep.rank_by == "episode_return" else 3  # returns in tens to hundreds; other metrics near 1
+        digits = 1 if sweep.rank_by in ("episode_return", *EVAL_METRICS) else 3  # returns: tens to hundreds; others near 1
         result = setting.result
         timing = ("run before the resume" if result.steps_run == 0 else
                   f"compile {result.lower_seconds + result.compile_seconds:.1f} s, run {result.run_seconds:.1f} s, "
                   f"{result.steps_per_second:,.0f} agent-steps/s")
         text.append(f"\n{setting_name(sweep, i)}: {len(sweep.points)} points x {setting.config.num_seeds} seeds, {timing}"
                     + (f", random policy {setting.random_return:.1f}" if setting.random_return is not None else ""))
-        width = max(len(label) for label in sweep.labels)
-        text.append(f"  rank  {'point'.ljust(width)}  {f'final {metric} IQM [95 % CI]':>28}  {'diverged':>8}  "
+        width, header = max(len(label) for label in sweep.labels), f"final {metric} IQM [95 % CI]"
+        column = max(28, len(header))
+        text.append(f"  rank  {'point'.ljust(width)}  {header:>{column}}  {'diverged':>8}  "
                     f"{'area under curve':>18}")
         ranking = best_first(np.array([iqm for iqm, _, _ in iqms]))
         for rank, p in enumerate(ranking):
             iqm, low, high = iqms[p]
             interval = "[no CI: < 2 seeds]" if np.isfinite(iqm) and np.isnan(low) else f"[{low:.{digits}f}, {high:.{digits}f}]"
-            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  {f'{iqm:.{digits}f} {interval}':>28}  "
+            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  {f'{iqm:.{digits}f} {interval}':>{column}}  "
                         f"{f'{np.isnan(final[p]).sum()}/{final.shape[1]}':>8}  {f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
             hparams = sweep.hparams(setting.config)[p]
             rows.append([setting_name(sweep, i), setting.config.env, str(p), sweep.labels[p]] +
@@ -3254,13 +3310,14 @@ class SweepRecorder:
     """run_batch's on_chunk for one static setting of a sweep, as RunRecorder is a run's: after every
     chunk, append each point's metrics.csv, save the setting's checkpoint, feed the trackers, move
     the progress line, and stop if a signal asked for it. run_dir None (not the writing host):
-    nothing is written. A point that diverges runs on (its NaNs are its result): no NaN guard."""
+    nothing is written. A point that diverges runs on (its NaNs are its result): no NaN guard.
+    --eval-every evaluates every point x seed (Evaluations), into the points' metrics.csv."""
 
     def __init__(self, sweep: Sweep, i: int, run_dir: str | None, stop: StopRequests, progress: Progress,
-                 done_before: int, tracked: list[Tracker]):
+                 done_before: int, tracked: list[Tracker], evaluations: Evaluations):
         self.sweep, self.i, self.config, self.run_dir = sweep, i, sweep.configs[i], run_dir
         self.stop, self.progress, self.done_before, self.tracked = stop, progress, done_before, tracked
-        self.agents, self.done = len(sweep.points) * self.config.num_seeds, None
+        self.agents, self.done, self.evaluations = len(sweep.points) * self.config.num_seeds, None, evaluations
 
     def show(self, done: int) -> None:
         self.progress.show(self.done_before + done * self.agents, f"setting {setting_name(self.sweep, self.i)}: "
@@ -3280,13 +3337,14 @@ class SweepRecorder:
             for tracker in self.tracked:
                 tracker.started()
             if metrics is not None:
-                self.write_points(metrics)
+                self.write_points(self.evaluations.add(done, metrics)[0])
             self.show(done)
             return False
+        metrics, host = self.evaluations.add(done, metrics, state)  # (every process evaluates: it fetched the state)
         self.write_points(metrics)
         for tracker in self.tracked:
             tracker.add(metrics)
-        host = state()  # every process takes part in fetching it
+        host = state() if host is None else host  # every process takes part in fetching it
         if self.run_dir is not None:
             save_checkpoint(setting_dir(self.run_dir, self.i), self.config,
                             Checkpoint(host, {name: value for name, value in metrics.items() if name != "env_steps"}))
@@ -3364,12 +3422,15 @@ def run_sweep(sweep: Sweep, run_dir: str | None, chunk_size: int = 0, quiet: boo
                 tracked = trackers(run_dir, names, [dataclasses.replace(config, hparams=h)
                                                     for h in sweep.hparams(config) for _ in range(config.num_seeds)],
                                    start.updates_done if start else 0, flags=flags)
-            recorder = SweepRecorder(sweep, i, run_dir, stop, progress, done_before, tracked)
+            start, evaluations = without_evaluations(start)
+            recorder = SweepRecorder(sweep, i, run_dir, stop, progress, done_before, tracked,
+                                     Evaluations(config, hparams, keys, evaluations))
             summaries = None
             try:
                 result = run_batch(config, keys, hparams, chunk_size, recorder, start=start)
                 progress.end()
                 done = result.metrics["env_steps"].shape[1]
+                result = dataclasses.replace(result, metrics=recorder.evaluations.add(done, result.metrics)[0])
                 if done < config.num_updates:
                     return settings, (f"interrupted by {signal.Signals(stop.signal).name} in setting "
                                       f"{setting_name(sweep, i)} at update {done}/{config.num_updates}")
@@ -3425,6 +3486,15 @@ def final_return(metrics: dict[str, np.ndarray], fraction: float = 0.1, name: st
     returns, counts = metrics[name][:, tail], metrics["episodes"][:, tail]
     with np.errstate(invalid="ignore"):  # NaN where no episode ended in the tail
         return np.sum(np.where(counts > 0, returns * counts, 0.0), axis=1) / np.sum(counts, axis=1)
+
+
+def last_evaluation(metrics: dict[str, np.ndarray], name: str) -> tuple[np.ndarray, int]:
+    """--eval-every's metric `name` at its last evaluation -> (per agent [agents], the update; 0: none)."""
+    values = metrics.get(name, np.full((1, 1), np.nan))
+    evaluated = np.flatnonzero(np.isfinite(values).any(axis=0))
+    if not evaluated.size:
+        return np.full(len(values), np.nan), 0
+    return values[:, evaluated[-1]], int(evaluated[-1] + 1)
 
 
 def format_table(metrics: dict[str, np.ndarray], rows: int) -> str:
@@ -3647,10 +3717,10 @@ def write_outputs(run_dir: str, config: Config, result: RunResult, status: str =
         "device": str(jax.devices()[0]),
     }
     for name in EVAL_METRICS:  # --eval-every: the last evaluation, per seed, and at which update
-        evaluated = np.flatnonzero(np.isfinite(result.metrics.get(name, np.full((1, 1), np.nan))).any(axis=0))
-        if evaluated.size:
-            summary[f"last_{name}_per_seed"] = [float(x) for x in result.metrics[name][:, evaluated[-1]]]
-            summary[f"last_{name}_update"] = int(evaluated[-1] + 1)
+        values, update = last_evaluation(result.metrics, name)
+        if update:
+            summary[f"last_{name}_per_seed"] = [float(x) for x in values]
+            summary[f"last_{name}_update"] = update
     if result.state is not None:  # None: diverged in its first chunk, no finite policy to keep
         final_policy = Policy(result.state.params, result.state.obs_stats)  # leading [num_seeds] axis
         write_atomically(os.path.join(run_dir, "params.msgpack"), serialization.to_bytes(jax.device_get(final_policy)))
@@ -4044,24 +4114,25 @@ def evaluate(config: Config, policies: Policy, episodes: int, deterministic: boo
     of the first episode of each of `episodes` envs (NaN if it did not end within the episode
     limit). One jitted program (evaluation_program): a while loop until every episode has ended,
     vmapped over seeds; seed s's randomness is key s of split(PRNGKey(seed), seeds)."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(policies.obs_stats.count))
-    return np.asarray(evaluation_program(config, episodes, deterministic)(policies, keys))
+    num_seeds = len(policies.obs_stats.count)
+    keys = jax.random.split(jax.random.PRNGKey(seed), num_seeds)
+    hparams = stack_hparams([config.hparams] * num_seeds)
+    return np.asarray(evaluation_program(config, episodes, deterministic)(policies, keys, hparams))
 
 
 def evaluation_program(config: Config, episodes: int, deterministic: bool):
-    """evaluate's jitted program: (policies [seeds], keys [seeds]) -> returns [seeds, episodes]."""
+    """evaluate's jitted program: (policies, keys, HParams), each [seeds] -> returns [seeds, episodes]."""
     env = VecEnv(config.env, episodes, config.env_params)
     network = make_network(config, env)
 
-    def one_seed(policy: Policy, key):
+    def one_seed(policy: Policy, key, hparams: HParams):
         reset_key, key = jax.random.split(key)
         obs, env_state = env.reset(reset_key)
 
         def step(carry):
             obs, env_state, hidden, key, returns, ended, t = carry
             key, action_key, step_key, reset_key = jax.random.split(key, 4)
-            action, hidden = act(network, policy, obs, env_state.first, hidden, config.hparams, deterministic,
-                                 action_key)
+            action, hidden = act(network, policy, obs, env_state.first, hidden, hparams, deterministic, action_key)
             resets = jax.tree.map(lambda x: x[0], env.draw_resets(reset_key, 1))
             obs, env_state, _, terminated, truncated, info = env.step(
                 jax.random.split(step_key, episodes), env_state, action, resets)
@@ -4078,16 +4149,15 @@ def evaluation_program(config: Config, episodes: int, deterministic: bool):
     return jax.jit(jax.vmap(one_seed), compiler_options=xla_options())
 
 
-def render_episode(config: Config, policy: Policy, path: str, deterministic: bool, seed: int = 0) -> int:
-    """Write one episode of `policy` (one seed) as a GIF with gymnax's visualizer; returns its length."""
-    from gymnax.visualize import Visualizer
-
+def render_program(config: Config, deterministic: bool):
+    """render_episode's jitted program: (one seed's policy, key) -> the env states, rewards and
+    dones of an episode limit's steps of one env."""
     env = VecEnv(config.env, 1, config.env_params)
     network = make_network(config, env)
     limit = env.episode_limit()
 
     @functools.partial(jax.jit, compiler_options=xla_options())
-    def episode(key):
+    def episode(policy: Policy, key):
         reset_key, action_key, step_key, resets_key = jax.random.split(key, 4)
         obs, env_state = env.reset(reset_key)
         resets = env.draw_resets(resets_key, limit)
@@ -4103,7 +4173,16 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
         inputs = (jax.random.split(action_key, limit), jax.random.split(step_key, limit), resets)
         return jax.lax.scan(step, (obs, env_state, initial_hidden(network, 1)), inputs)[1]
 
-    states, rewards, dones = jax.device_get(episode(jax.random.PRNGKey(seed)))
+    return episode
+
+
+def render_episode(config: Config, policy: Policy, path: str, deterministic: bool, seed: int = 0) -> int:
+    """Write one episode of `policy` (one seed) as a GIF with gymnax's visualizer; returns its length."""
+    from gymnax.visualize import Visualizer
+
+    env = VecEnv(config.env, 1, config.env_params)
+    limit = env.episode_limit()
+    states, rewards, dones = jax.device_get(render_program(config, deterministic)(policy, jax.random.PRNGKey(seed)))
     length = int(np.argmax(dones)) + 1 if dones.any() else limit
     frames = [jax.tree.map(lambda x: x[t, 0], states) for t in range(length)]
     import matplotlib
@@ -4217,6 +4296,12 @@ def best_of_n(p: ToyRLHFParams, ns: Sequence[int], samples: int = 1 << 16, seed:
 def policy_responses(config: Config, policies: Policy, num: int, seed: int = 0):
     """num responses sampled from each seed's trained ToyRLHF-v0 policy (leaves [seeds, ...]) ->
     (tokens [seeds, num, L], log pi(y) [seeds, num]): one jitted program, vmapped over seeds."""
+    seeds = len(policies.obs_stats.count)
+    return responses_program(config, num)(policies, jax.random.split(jax.random.PRNGKey(seed), seeds))
+
+
+def responses_program(config: Config, num: int):
+    """policy_responses' jitted program: (policies [seeds], keys [seeds]) -> (tokens, log pi(y))."""
     env = make_env(dataclasses.replace(config, num_envs=num))
     network, p = make_network(config, env), env.env_params
     get_obs = jax.vmap(env.env.get_obs, in_axes=(0, None))
@@ -4232,8 +4317,7 @@ def policy_responses(config: Config, policies: Policy, num: int, seed: int = 0):
             log_prob, tokens = log_prob + dist.log_prob(action), tokens.at[:, t].set(action)
         return tokens, log_prob
 
-    seeds = len(policies.obs_stats.count)
-    return jax.jit(jax.vmap(responses))(policies, jax.random.split(jax.random.PRNGKey(seed), seeds))
+    return jax.jit(jax.vmap(responses))
 
 
 def kl_to_language(run_dir: str, num: int = 1 << 14) -> np.ndarray:
@@ -4335,7 +4419,7 @@ def write_rlhf_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting])
              + "; ".join(f"{row[0]} {row[4]:.2f}" for row in fits[1:]),
              "End points against pi*_beta at the same coefficient (median |KL and proxy / exact - 1|): "
              + "; ".join(closeness),
-             f"outputs: rlhf.png, rlhf_endpoints.csv, rlhf_frontier.csv, rlhf_fits.csv"]
+             "outputs: rlhf.png, rlhf_endpoints.csv, rlhf_frontier.csv, rlhf_fits.csv"]
     return "\n".join(lines)
 
 
@@ -4515,23 +4599,17 @@ def resume_config(cli: Config, argv: Sequence[str]) -> tuple[Config, Checkpoint]
 
 def resume_sweep(cli: Config, argv: Sequence[str]) -> tuple[Sweep, int]:
     """The sweep to continue: SWEEP_DIR/sweep.toml, resolved again, with the run-only flags given
-    now, else the sweep's own (its points' config.json: --checkpoint-every, --sweep-chunk); refused
+    now, else the sweep's own (reload_sweep: --checkpoint-every, --sweep-chunk, --eval-every); refused
     if the file no longer gives the sweep that began (its fingerprint). -> (sweep, --sweep-chunk)"""
     check_flags(argv, RESUME_FLAGS, "--resume", cli.resume)
     path = os.path.join(cli.resume, SWEEP_SPEC)
     given = {name: getattr(cli, name) for name in explicit_fields(argv) & RESUME_FLAGS - {"resume"}}
-    sweep = load_sweep(dataclasses.replace(Config(), sweep=path), {})
+    sweep = reload_sweep(cli.resume, given)
     with open(path) as f:
         recorded = re.search(r"^# fingerprint (\w+)", f.read(), re.MULTILINE)
     if recorded is None or recorded.group(1) != sweep_fingerprint(sweep):
         raise ConfigError(f"--resume {cli.resume}: {path} has changed since the sweep began (its settings or points "
                           "differ from those it ran): restore it, or start a new sweep with --sweep")
-    own = {}  # the sweep's own, as its points' config.json hold them
-    with contextlib.suppress(OSError, ValueError):
-        with open(os.path.join(point_dir(cli.resume, 0, 0), "config.json")) as f:
-            own = json.load(f)
-    every, chunk = (int(given.get(name, own.get(name, 0)) or 0) for name in ("checkpoint_every", "sweep_chunk"))
-    sweep.configs = [dataclasses.replace(config, checkpoint_every=every, sweep_chunk=chunk) for config in sweep.configs]
     if not os.access(cli.resume, os.W_OK):
         raise ConfigError(f"--resume {cli.resume}: the directory is not writable (a read-only file system?): "
                           "make it writable, or copy it to a writable disk and resume the copy")
@@ -4543,13 +4621,25 @@ def resume_sweep(cli: Config, argv: Sequence[str]) -> tuple[Sweep, int]:
     if rows == len(sweep.points) * sum(config.num_seeds for config in sweep.configs):  # written last (write_sweep_outputs)
         raise ConfigError(f"--resume {cli.resume}: that sweep is complete (results.csv has every point's rows): "
                           "nothing to resume")
-    return sweep, chunk
+    return sweep, sweep.configs[0].sweep_chunk
+
+
+def reload_sweep(sweep_dir: str, given: dict[str, Any] | None = None) -> Sweep:
+    """The sweep in SWEEP_DIR, its sweep.toml resolved again with its own SWEEP_RUN_FIELDS (as its
+    points' config.json hold them), or those `given`."""
+    own = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(point_dir(sweep_dir, 0, 0), "config.json")) as f:
+            own = json.load(f)
+    defaults = Config()
+    fields = {name: (given or {}).get(name, own.get(name, getattr(defaults, name))) for name in SWEEP_RUN_FIELDS}
+    return load_sweep(dataclasses.replace(defaults, sweep=os.path.join(sweep_dir, SWEEP_SPEC), **fields), {})
 
 
 def find_point(sweep_dir: str, point: str, flag_name: str) -> str:
     """The run directory of the sweep's point `point`: K (results.csv's point column) or its label,
     S:K or S:label with several static settings."""
-    sweep = load_sweep(dataclasses.replace(Config(), sweep=os.path.join(sweep_dir, SWEEP_SPEC)), {})
+    sweep = reload_sweep(sweep_dir)
     settings, _, wanted = point.rpartition(":") if re.match(r"\d+:", point) else ("", "", point)
     if not settings and len(sweep.configs) > 1:
         raise ConfigError(f"{flag_name} {point}: {sweep_dir} has {len(sweep.configs)} static settings: give S:K, "
@@ -4759,15 +4849,10 @@ def run_command(config: Config, argv: list[str]):
             config, start = resume_config(config, argv)
             run_dir = config.resume if writer else None
         elif config.sweep or config.sweep_set:
-            if config.eval_every:
-                raise ConfigError("--eval-every is for single runs: a sweep reports final returns (a point's "
-                                  "single run evaluates)")
             sweep = load_sweep(config, command_line_overrides(argv, config))
             if "rank_by" in explicit_fields(argv):
                 check_rank_by(config.rank_by, sweep.configs[0], "--rank-by")
                 sweep.rank_by = config.rank_by
-            sweep.configs = [dataclasses.replace(c, checkpoint_every=config.checkpoint_every,  # (run-only fields:
-                                                 sweep_chunk=config.sweep_chunk) for c in sweep.configs]  # not the spec's)
             if writer:
                 check_run_dir_is_new(config.run_dir)
                 run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}", "sweep.toml",
@@ -5099,11 +5184,41 @@ MAX_SLICES = 8  # and at most this many (compile time grows with each; more ran 
 GRAD_CHUNK_ROWS = 128  # a small Dense kernel's gradient as a sum over chunks of this many rows (kernel_grad)
 
 
+# The platforms our programs are being built for when not this machine's (lowering_for): none, or
+# e.g. ("cuda", "tpu").
+LOWERING_FOR: tuple[str, ...] = ()
+
+
+def on_cpu() -> bool:
+    """Whether the programs being built are for a CPU: every branch on the platform asks this (the
+    chunk program's donation, --slices auto, dense()'s gradient, the XLA options)."""
+    return not LOWERING_FOR and jax.default_backend() == "cpu"
+
+
+@contextlib.contextmanager
+def lowering_for(*platforms: str):
+    """Inside the block, programs are built for `platforms` (JAX's names: "cuda", "rocm", "tpu")
+    whatever this machine has: on_cpu() is False, and lower_batch lowers for them. To check on a
+    CPU that what users run on accelerators lowers there (the tests do)."""
+    global LOWERING_FOR
+    before, LOWERING_FOR = LOWERING_FOR, tuple(platforms)
+    try:
+        yield
+    finally:
+        LOWERING_FOR = before
+
+
+def lower(program, *args):
+    """A jitted program traced at `args` (arrays, or jax.ShapeDtypeStruct) and lowered for this
+    machine, or for lowering_for's platforms -> jax.stages.Lowered (.compile() it, or .as_text())."""
+    return program.trace(*args).lower(lowering_platforms=LOWERING_FOR or None)
+
+
 def slices_per_pass(config: Config, shards: int = 1) -> int:
     """--slices, with 0 (auto) resolved: on CPU, for feedforward networks, the most slices of at
     least SLICE_SAMPLES samples of a minibatch (with sharded envs, of each device's part of it), up
     to MAX_SLICES, that divide it."""
-    if config.slices or config.recurrent != "none" or jax.default_backend() != "cpu":
+    if config.slices or config.recurrent != "none" or not on_cpu():
         return config.slices or 1
     samples = config.minibatch_size // shards
     most = max(1, min(MAX_SLICES, samples // SLICE_SAMPLES))
@@ -5112,7 +5227,7 @@ def slices_per_pass(config: Config, shards: int = 1) -> int:
 
 def grad_chunk_rows() -> int:
     """dense()'s grad_chunk: GRAD_CHUNK_ROWS on CPU; 0 (JAX's own gradient) on accelerators."""
-    return GRAD_CHUNK_ROWS if jax.default_backend() == "cpu" else 0
+    return GRAD_CHUNK_ROWS if on_cpu() else 0
 
 
 @functools.cache
@@ -5133,7 +5248,7 @@ def xla_options(config: Config | None = None) -> dict[str, Any] | None:
     - Without AVX-512, from EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, no YNNPACK fusions
       (speed; with AVX-512 YNNPACK is faster at every size, and stays on).
     Accelerators keep XLA's defaults. Figures: docs/speed.md."""
-    if jax.default_backend() != "cpu":
+    if not on_cpu():
         return None
     options = {"xla_backend_optimization_level": 1}
     if config is not None and config.minibatch_size >= EIGEN_DOTS_FROM_MINIBATCH and not cpu_has_avx512():
@@ -5146,7 +5261,7 @@ def init_xla_options() -> dict[str, Any] | None:
     On CPU: LLVM at optimisation level 0, and XLA's older loop emitters, which compile faster than its
     fusion emitters and make slower loops (see xla_options). Unoptimised code forms no fused multiply-adds, so the init's floats can differ in the last bits
     from those of an optimised compile: of make_train jitted as one program, say."""
-    if jax.default_backend() != "cpu":
+    if not on_cpu():
         return None
     return {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 

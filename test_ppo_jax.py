@@ -2297,6 +2297,88 @@ np.savez(sys.argv[1], **result.metrics)
 """
 
 
+LOWERING_SCRIPT = """
+import dataclasses, json, sys, numpy as np, jax, jax.numpy as jnp
+import ppo_jax as P
+assert jax.device_count() == 8, jax.devices()
+sweep = [{"lr": lr, "norm_obs": norm} for lr in (1e-4, 3e-4, 1e-3, 3e-3) for norm in (False, True)]
+cases = {  # name: (config, the points (None: a run of its seeds), --sweep-chunk)
+    "run": (P.default_config("CartPole-v1", num_seeds=2), None, 0),
+    "run_envs_sharded": (P.default_config("CartPole-v1", num_seeds=2, env_devices=4), None, 0),
+    "sweep": (P.default_config("CartPole-v1", num_seeds=2), sweep, 0),
+    "sweep_chunk": (P.default_config("CartPole-v1", num_seeds=2), sweep, 4),
+    "one_seed_continuous": (P.default_config("Pendulum-v1", num_seeds=1), None, 0),
+    "cnn": (P.default_config("Breakout-MinAtar", num_seeds=2), None, 0),
+    "gru": (P.default_config("CartPole-v1", num_seeds=2, recurrent="gru"), None, 0),
+    "rlhf_leash": (P.default_config("ToyRLHF-v0", num_seeds=2), None, 0),
+}
+def single(tree):  # one agent's shapes
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+def programs(config, points, chunk, layout_only=False):  # name -> lowered text: the programs of a run/sweep of it
+    hparams = P.stack_hparams([config.hparams.replace(**p) for p in points or [{}] for _ in range(config.num_seeds)])
+    keys = np.tile(np.asarray(P.seed_keys(config)), (len(points or [{}]), 1))
+    lowered = P.lower_batch(config, keys, hparams, chunk)
+    texts = {"init": lowered.init.as_text(), "advance": lowered.advance.as_text(), "devices": lowered.num_devices}
+    if layout_only:  # the others do not depend on how the batch is laid over the devices
+        return texts
+    state = P.abstract_train_state(config, keys)
+    policies = P.Policy(state.params, state.obs_stats)
+    for deterministic in (False, True):  # --eval-every, --eval
+        texts[f"eval_{deterministic}"] = P.lower(P.evaluation_program(config, 10, deterministic), policies, keys,
+                                                 hparams).as_text()
+    texts["random_policy"] = P.lower(P.random_policy_program(config, 64), jax.random.PRNGKey(0)).as_text()
+    trained = P.TrainedPolicy(config, single(policies))  # load_run(...).act
+    obs = jax.ShapeDtypeStruct((3, int(np.prod(trained.env.obs_shape))), jnp.float32)
+    texts["act"] = P.lower(trained._act, single(policies), obs, jnp.ones(3, bool), P.initial_hidden(trained.network, 3),
+                           config.hparams, True, jax.random.PRNGKey(0)).as_text()
+    if config.env in P.DRAWABLE_ENVS:  # --eval --render
+        texts["render"] = P.lower(P.render_program(config, True), single(policies), jax.random.PRNGKey(0)).as_text()
+    if config.env == "ToyRLHF-v0":  # the RLHF figure's samples
+        texts["responses"] = P.lower(P.responses_program(config, 16), policies, keys).as_text()
+    return texts
+report = {"cpu": programs(*cases["run"], layout_only=True)}
+with P.lowering_for("cuda", "tpu"):
+    report.update({name: programs(*case, layout_only=name in ("run_envs_sharded", "sweep", "sweep_chunk"))
+                   for name, case in cases.items()})
+    report["on_cpu"] = P.on_cpu()
+with open(sys.argv[1], "w") as f:
+    json.dump(report, f)
+"""
+
+
+def test_every_program_lowers_for_gpu_and_tpu_as_an_accelerator_host_runs_it(tmp_path):
+    """No GPU or TPU here, yet what users run there must lower there: on 8 CPU devices standing in
+    for a GPU host's, every program a run or a sweep compiles (init and the chunk of updates, of a
+    run, a run's envs sharded over devices, a sweep sharded over them and in --sweep-chunk groups,
+    a continuous, a CNN, a GRU and an RLHF-leash run; --eval's and --eval-every's evaluation, the
+    random policy of normalised scores, load_run's act, --render's episode, the RLHF samples) is
+    lowered for CUDA and TPU with the accelerators' branches (the chunk program's state donated).
+    The same run lowered for this CPU takes the CPU's: one platform, nothing donated."""
+    out = tmp_path / "lowered.json"
+    done = subprocess.run([sys.executable, "-c", LOWERING_SCRIPT, str(out)], capture_output=True, text=True,
+                          env={**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu",
+                               "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report.pop("on_cpu") is False
+    cpu = report.pop("cpu")
+    assert cpu["devices"] == 2 and "_platform_index" not in cpu["init"] + cpu["advance"] and "tf.aliasing_output" not in cpu["advance"]
+    devices = {name: texts.pop("devices") for name, texts in report.items()}
+    assert devices == {"run": 2, "run_envs_sharded": 8, "sweep": 8, "sweep_chunk": 4, "one_seed_continuous": 1,
+                       "cnn": 2, "gru": 2, "rlhf_leash": 2}
+    assert "mhlo.num_partitions = 8" in report["run_envs_sharded"]["advance"]
+    manual = "sdy.manual_computation"  # a shard_map: each device steps its envs, their gradients all-reduced
+    assert manual in report["run_envs_sharded"]["advance"] and manual not in report["sweep"]["advance"]
+    assert "stablehlo.all_reduce" in report["run_envs_sharded"]["advance"]
+    assert {"render", "responses"} <= set(report["run"]) | set(report["rlhf_leash"])
+    for name, texts in report.items():
+        assert len(texts) == 2 if name in ("run_envs_sharded", "sweep", "sweep_chunk") else len(texts) >= 6, name
+        for program, text in texts.items():  # lowered for two platforms: the program takes the platform's index
+            assert "_platform_index" in text, (name, program)
+        assert "tf.aliasing_output" in texts["advance"], name
+
+
 def test_one_cpu_device_per_core():
     """ppo_jax gives JAX one CPU device per usable core (unless JAX_NUM_CPU_DEVICES or XLA_FLAGS chose a
     count), so that run_batch shards a batch of agents over the cores."""
@@ -2917,8 +2999,7 @@ def test_eval_every_gives_what_eval_gives_on_that_updates_policy(tmp_path, capsy
     """--eval-every 2 on a run of 4 updates: its eval_return and eval_return_deterministic at update 2
     equal the means that --eval (sampled, and --deterministic) gives on a run stopped there (the same
     updates: no lr annealing), NaN where no evaluation falls; the columns reach TensorBoard, the
-    printed table (its rows: the evaluated updates) and summary.json (the last evaluation); with a
-    sweep it is one line."""
+    printed table (its rows: the evaluated updates) and summary.json (the last evaluation)."""
     tiny = ["--num-steps", "32", "--hidden-sizes", "8", "--num-seeds", "2", "--no-anneal-lr", "--quiet",
             "--table-rows", "0"]
     P.main([*tiny[:-1], "5", "--total-timesteps", str(4 * 4 * 32), "--eval-every", "2", "--eval-episodes", "5",
@@ -2943,10 +3024,6 @@ def test_eval_every_gives_what_eval_gives_on_that_updates_policy(tmp_path, capsy
         assert np.isnan(float(rows[1, seed]["eval_return"])) and np.isnan(float(rows[3, seed]["eval_return"]))
         scalars = read_tensorboard_scalars(tmp_path / "every" / "tb" / f"seed_{seed}")
         assert sorted(scalars["eval/episodic_return_deterministic"]) == [2 * 4 * 32, 4 * 4 * 32]
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        P.main(["--sweep-set", "lr=1e-3,3e-3", "--eval-every", "2"])
-    assert "--eval-every is for single runs" in capsys.readouterr().err
 
 
 def test_quiet_and_table_rows(tmp_path, capsys):
@@ -3005,14 +3082,14 @@ def killed_when(argv, words: list[str], sig=subprocess.signal.SIGKILL) -> tuple[
 
 def test_a_sweep_killed_anywhere_resumes_to_the_same_bytes(tmp_path):
     """Two static settings (named by what they set) x 3 points, one of which diverges (lr 1e30),
-    x 2 seeds. Uninterrupted: both settings run to the end, the diverged point NaN and last in each
+    x 2 seeds, evaluated every 4 updates. Uninterrupted: both settings run to the end, the diverged point NaN and last in each
     ranking, every output covers both settings, the normalised score is printed. SIGKILLed inside
     the first setting, between the settings, inside the second (during a resume), then SIGTERMed
     (exit 143 and the --resume line), and resumed each time: every table, metrics.csv, params and
     config byte-identical to the uninterrupted sweep's."""
     spec = tmp_path / "two.toml"
     spec.write_text(TWO_SETTINGS)
-    argv = ["--sweep", str(spec), "--num-seeds", "2", "--checkpoint-every", "1"]
+    argv = ["--sweep", str(spec), "--num-seeds", "2", "--checkpoint-every", "1", "--eval-every", "4", "--eval-episodes", "2"]
     whole = cli([*argv, "--run-dir", str(tmp_path / "whole"), "--quiet"])
     assert whole.returncode == 0, whole.stderr[-3000:]
     run_dir, out = tmp_path / "whole", whole.stdout
@@ -3022,6 +3099,7 @@ def test_a_sweep_killed_anywhere_resumes_to_the_same_bytes(tmp_path):
     assert len(results) == 2 * 3 * 2
     for row in results:
         assert np.isnan(float(row["final_return"])) == (float(row["lr"]) == 1e30), row
+        assert np.isfinite(float(row["last_eval_return"])) or float(row["lr"]) == 1e30, row
     summary = list(csv.DictReader(open(run_dir / "summary.csv")))
     assert len(summary) == 2 * 3 and len({row["static"] for row in summary}) == 2
     aggregates = list(csv.DictReader(open(run_dir / "aggregates.csv")))
@@ -3119,20 +3197,29 @@ def test_readme_slurm_script_starts_the_sweep_and_its_requeued_job_resumes_it(tm
 
 
 def test_a_sweeps_points_are_runs_to_evaluate_load_and_start_from(tmp_path, capsys):
-    """Every point of a sweep is a run directory: its metrics.csv is the metrics.csv of the single
-    run with its HParams and seeds, and --eval SWEEP_DIR --point K (its number or its label),
-    load_run(SWEEP_DIR, point=K, seed=S) and --init-params SWEEP_DIR/setting-1/point-K/params.msgpack
-    act as they do on that run. Bad points and a changed sweep.toml are one line, exit 2."""
+    """Every point of a sweep is a run directory: its metrics.csv (with --eval-every's evaluations)
+    is the metrics.csv of the single run with its HParams and seeds, and --eval SWEEP_DIR --point K
+    (its number or its label), load_run(SWEEP_DIR, point=K, seed=S) and --init-params
+    SWEEP_DIR/setting-1/point-K/params.msgpack act as they do on that run. Ranked by an evaluation,
+    results.csv and summary.csv hold the last one. Bad points and a changed sweep.toml are one
+    line, exit 2."""
     tiny = ["--total-timesteps", "768", "--num-steps", "32", "--hidden-sizes", "8", "--num-seeds", "2", "--quiet",
-            "--table-rows", "0"]
+            "--table-rows", "0", "--eval-every", "3", "--eval-episodes", "3"]
     sweep_dir, single = tmp_path / "sweep", tmp_path / "single"
-    P.main([*tiny, "--sweep-set", "lr=3e-4,3e-3", "--run-dir", str(sweep_dir)])
+    P.main([*tiny, "--sweep-set", "lr=3e-4,3e-3", "--rank-by", "eval_return_deterministic", "--run-dir", str(sweep_dir)])
     P.main([*tiny, "--lr", "3e-3", "--run-dir", str(single)])
     point = sweep_dir / "setting-1" / "point-1"
     ours, theirs = read_metrics_csv(point / "metrics.csv"), read_metrics_csv(single / "metrics.csv")
     assert ours.keys() == theirs.keys() and len(theirs["update"]) == 2 * 6
     for name in theirs:
         np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert np.isfinite(theirs["eval_return_deterministic"]).sum() == 2 * 2  # updates 3 and 6, each seed
+    last = json.loads((single / "summary.json").read_text())["last_eval_return_deterministic_per_seed"]
+    results = [row for row in csv.DictReader(open(sweep_dir / "results.csv")) if row["point"] == "1"]
+    np.testing.assert_allclose([float(row["last_eval_return_deterministic"]) for row in results], last, rtol=1e-5)
+    summary = {row["point"]: row for row in csv.DictReader(open(sweep_dir / "summary.csv"))}
+    assert summary["1"]["metric"] == "eval_return_deterministic"
+    assert float(summary["1"]["final_mean"]) == pytest.approx(np.mean(last), rel=1e-5)
     capsys.readouterr()
     expected = P.main(["--eval", str(single), "--episodes", "4", "--deterministic"])
     for which in ("1", "lr=0.003"):
@@ -3522,7 +3609,7 @@ def test_distributed_faults_are_one_line(tmp_path):
         (["--num-processes", "2"], "--num-processes only applies with --distributed"),
     ):
         done = cli(argv)
-        assert done.returncode == 2 and done.stderr.startswith(f"error: ") and words in done.stderr, done.stderr
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and words in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     with pytest.raises(SystemExit) as stop:  # imported, the runtime cannot start any more
         P.main(["--distributed", "--run-dir", str(tmp_path / "y")])
