@@ -2453,10 +2453,10 @@ import test_ppo_jax as T
 assert jax.device_count() == 4, jax.devices()
 hparams = T.ENV_SHARDED_HPARAMS
 configs = T.env_sharded_configs(4, 2)
-out, seen, to_host = {}, [], P.to_host
+out, seen, to_host, results = {}, [], P.to_host, {}
 P.to_host = lambda tree: seen.append(tree) or to_host(tree)  # what run_batch hands to the host
 for name, config in configs.items():
-    result = P.run(config)
+    result = results[name] = P.run(config)
     state = seen[-1] if name == "one" else state  # the device state of its last chunk
     assert result.num_devices == config.env_devices, (name, result.num_devices)
     out.update({f"{name}/{k}": v for k, v in result.metrics.items()})
@@ -2468,8 +2468,8 @@ two = P.run_batch(config, P.seed_keys(config), P.stack_hparams([hparams, hparams
 assert two.num_devices == 4, two.num_devices
 out.update({f"two/{k}": v for k, v in two.metrics.items()})
 # Stopped after the first chunk and resumed from its state: bit-identical to the whole run.
-config = dataclasses.replace(configs["one"], checkpoint_every=1)
-whole = P.run(config)
+config, whole = configs["one"], results["one"]
+assert P.chunk_length(config) == 1
 stopped = P.run_batch(config, P.seed_keys(config), P.stack_hparams([hparams]),
                       on_chunk=lambda done, metrics, state: done == 1)
 first = P.Checkpoint(stopped.state, {k: v for k, v in stopped.metrics.items() if k != "env_steps"})
