@@ -1,6 +1,6 @@
 """ppo_jax: Proximal Policy Optimization as one XLA program.
 
-PPO (Schulman et al., 2017, arXiv:1707.06347) on gymnax and Brax environments: the clipped
+PPO (Schulman et al., 2017, arXiv:1707.06347) on gymnax, Brax and XLand-MiniGrid environments: the clipped
 surrogate, PPO-Penalty (adaptive KL) and a KL leash to a frozen reference policy, every
 implementation detail a switch. Env stepping, GAE and the epochs of minibatch updates run in one
 jax.jit; seeds and whole hyperparameter grids are vmapped inside that one program.
@@ -22,7 +22,8 @@ Where to hack (the five rules a change must keep are in HParams' docstring):
     optimizer, lr schedule   make_optimizer (optax; groups: actor_critic_labels), learning_rate
     a hyperparameter         a field of HParams (traced: a flag and a sweep axis, swept without recompiling)
     carried across updates   a field of TrainState, its initial value in init_train_state
-    environments             VecEnv (gymnax), BraxEnv, ToyRLHF (RLHF in miniature; its ground truth: section 8)
+    environments             VecEnv (gymnax); adapters: BraxEnv, XMiniGridEnv; ToyRLHF (RLHF in miniature;
+                             its ground truth: section 8)
     metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
 
 Sections: 1 HParams, Config; 2 the PPO (network, rollout, advantages, loss, update, make_train); 3 envs;
@@ -514,6 +515,22 @@ TOY_RLHF_DEFAULTS: dict[str, Any] = dict(
 )
 
 
+# XLand-MiniGrid's single-task PPO (its training/train_single_task.py: 8192 envs x 16 steps, one epoch
+# of 16 minibatches, lr 1e-3, gamma 0.99, entropy 0.01, gradient norm 0.5) at a CPU's scale: 64 envs, and
+# 4 epochs of 4 minibatches (256 samples each: the same gradient steps per sample as 16 of 1024 there). Its
+# network is an RNN over embeddings of the view; here the MLP on the one-hot view (--torso cnn takes it
+# as an image: 5x slower on a CPU, docs/results.md).
+XMINIGRID: dict[str, Any] = dict(
+    total_timesteps=500_000,
+    torso="mlp",
+    num_envs=64,
+    num_steps=16,
+    update_epochs=4,
+    num_minibatches=4,
+    hparams=dict(lr=1e-3, gamma=0.99, gae_lambda=0.95, ent_coef=0.01, max_grad_norm=0.5),
+)
+
+
 ENV_DEFAULTS: dict[str, dict[str, Any]] = {
     "ToyRLHF-v0": TOY_RLHF_DEFAULTS,
     "CartPole-v1": CLASSIC_DISCRETE,
@@ -533,6 +550,8 @@ def default_config(env_id: str, **fields) -> Config:
         config = default_config("Pendulum-v1", num_seeds=4, hparams=dict(lr=3e-4))"""
     if env_id.startswith(BRAX_PREFIX):
         overrides = BRAX
+    elif env_id.startswith(XMINIGRID_PREFIX):
+        overrides = XMINIGRID
     elif env_id.endswith("-MinAtar"):
         overrides = MINATAR
     else:
@@ -1510,6 +1529,8 @@ def override_env_params(env_params, overrides: Sequence[str]):
             changes[name] = text.lower() in ("1", "true") if kind is bool else kind(text)
         except ValueError:
             raise ConfigError(f"--env-params {item!r}: {name} needs a {kind.__name__} value") from None
+        if name == "max_steps_in_episode" and changes[name] < 1:
+            raise ConfigError(f"--env-params {item!r}: the time limit must be a positive number of steps")
     return env_params.replace(**changes)
 
 
@@ -1539,7 +1560,7 @@ class VecEnv:
 
     def __init__(self, env_id: str, num_envs: int, env_params: Sequence[str] = (), shards: int = 1):
         self.env, self.env_params = make_gymnax(env_id, env_params)
-        self.lazy_resets = isinstance(self.env, BraxEnv)
+        self.lazy_resets = getattr(self.env, "lazy_resets", False)
         self.num_envs = num_envs  # the envs stepped here
         self.shards = shards
         action_space = self.env.action_space(self.env_params)
@@ -1670,6 +1691,8 @@ class BraxEnv(GymnaxEnvironment):
     time limit is gymnax's (state.time >= max_steps_in_episode: truncation), and resets are VecEnv's,
     so the final observation is kept and truncation bootstraps. Actions are in [-1, 1]."""
 
+    lazy_resets = True  # a reset builds a physics state: VecEnv resets only where an episode ended
+
     def __init__(self, name: str, backend: str):
         super().__init__()
         from brax import envs as brax_envs  # the optional dependency
@@ -1705,6 +1728,83 @@ def brax_names() -> list[str]:
     from brax import envs as brax_envs
 
     return sorted(brax_envs._envs)  # Brax's registry has no public listing
+
+
+# An XLand-MiniGrid env (the xminigrid package: --env xminigrid:MiniGrid-Empty-8x8) seen through gymnax's
+# interface. xminigrid is imported only here, only when asked for.
+XMINIGRID_PREFIX = "xminigrid:"
+
+
+XMINIGRID_INSTALL = "pip install -r requirements-xminigrid.txt"
+
+
+@struct.dataclass
+class XMiniGridParams(GymnaxEnvParams):
+    max_steps_in_episode: int = 0  # the time limit; make_gymnax sets the suite's own (e.g. 4 x height x width)
+
+
+@struct.dataclass
+class XMiniGridState(GymnaxEnvState):  # and gymnax's `time`: xminigrid's step_num
+    timestep: Any  # the suite's TimeStep: its State and observation
+
+
+class XMiniGridEnv(GymnaxEnvironment):
+    """An XLand-MiniGrid env, stepped by its own reset(params, key) and step(params, timestep, action).
+    dm_env's convention: a LAST step with discount 0 is the termination (the goal reached); one with
+    discount 1 the suite's time limit, which is gymnax's here (state.time = step_num >= max_steps:
+    truncation, so it bootstraps). The reward is the suite's (1 - 0.9 x steps / limit at the goal).
+    Observations: the agent's egocentric view, [V, V, 2] integer tiles and colours, as a one-hot
+    float image [V, V, NUM_TILES + NUM_COLORS] (a Dense layer on it is the suite's baseline's tile and
+    colour embeddings summed over the view; --torso cnn takes it as an image)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        import xminigrid  # the optional dependency
+        from xminigrid.core.constants import NUM_COLORS, NUM_TILES
+
+        self.xminigrid_name = name
+        self.xminigrid_env, self.xminigrid_params = xminigrid.make(name)
+        self.num_tiles, self.num_colors = int(NUM_TILES), int(NUM_COLORS)
+
+    def suite_params(self, params: XMiniGridParams):
+        return self.xminigrid_params.replace(max_steps=int(params.max_steps_in_episode))
+
+    def encode(self, obs):  # [V, V, 2] uint8 -> [V, V, tiles + colours] one-hot float32
+        return jnp.concatenate([jax.nn.one_hot(obs[..., 0], self.num_tiles),
+                                jax.nn.one_hot(obs[..., 1], self.num_colors)], axis=-1)
+
+    @property
+    def default_params(self) -> XMiniGridParams:
+        return XMiniGridParams(max_steps_in_episode=int(self.xminigrid_params.max_steps))
+
+    def reset_env(self, key, params):
+        timestep = self.xminigrid_env.reset(self.suite_params(params), key)
+        return self.encode(timestep.observation), XMiniGridState(timestep=timestep, time=timestep.state.step_num)
+
+    def step_env(self, key, state, action, params):
+        timestep = self.xminigrid_env.step(self.suite_params(params), state.timestep, action)
+        terminated = timestep.last() & (timestep.discount == 0)
+        next_state = XMiniGridState(timestep=timestep, time=timestep.state.step_num)
+        return self.encode(timestep.observation), next_state, timestep.reward, terminated, {}
+
+    @property
+    def name(self) -> str:
+        return XMINIGRID_PREFIX + self.xminigrid_name
+
+    def action_space(self, params=None):
+        return spaces.Discrete(self.xminigrid_env.num_actions(self.xminigrid_params))
+
+    def observation_space(self, params):
+        view = self.xminigrid_params.view_size
+        return spaces.Box(0.0, 1.0, (view, view, self.num_tiles + self.num_colors), jnp.float32)
+
+
+def xminigrid_names() -> list[str]:
+    """The ids --env xminigrid: takes: the suite's MiniGrid-* ports (its XLand-MiniGrid-R* envs need a
+    benchmark's rulesets, a download: not yet)."""
+    import xminigrid
+
+    return [name for name in xminigrid.registered_environments() if name.startswith("MiniGrid-")]
 
 
 # RLHF in miniature (README, "RLHF in miniature"): a response of `length` tokens from a vocabulary
@@ -1905,6 +2005,9 @@ def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
     if env_id.startswith(BRAX_PREFIX):
         params = override_env_params(BraxEnvParams(), overrides)
         return BraxEnv(env_id[len(BRAX_PREFIX):], params.backend), params
+    if env_id.startswith(XMINIGRID_PREFIX):
+        env = XMiniGridEnv(env_id[len(XMINIGRID_PREFIX):])
+        return env, override_env_params(env.default_params, overrides)
     if env_id == TOY_RLHF:
         return ToyRLHF(), toy_rlhf_params(tuple(overrides))
     env, params = gymnax.make(env_id)
@@ -1933,6 +2036,21 @@ def fixed_episode_length(env_id: str, overrides: Sequence[str] = ()) -> int | No
     return int(FIXED_EPISODE_LENGTH[env_id](*make_gymnax(env_id, overrides)))
 
 
+def check_suite_id(env_id: str, prefix: str, names, package: str, install: str) -> None:
+    """Raise ConfigError where a suite's package is missing or `env_id` names none of its envs (`prefix`
+    alone: the listing)."""
+    try:
+        known = names()
+    except ImportError:
+        raise ConfigError(f"--env {env_id} needs {package}, which is not installed: {install}") from None
+    name = env_id[len(prefix):]
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5) if name else []
+        hint = f"did you mean {', '.join(prefix + c for c in close)}?" if close else \
+            f"it has {', '.join(prefix + n for n in known)}"
+        raise ConfigError(f"--env {env_id!r}: {'no env named' if name else 'give an env name'}; {hint}")
+
+
 def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
     """Raise ConfigError for an unknown env id, a missing brax, or an unknown Brax backend."""
     if env_id.startswith(BRAX_PREFIX):
@@ -1946,11 +2064,16 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
         backend = override_env_params(BraxEnvParams(), overrides).backend
         if backend not in BRAX_BACKENDS:
             raise ConfigError(f"--env-params backend={backend}: Brax's backends are {', '.join(BRAX_BACKENDS)}")
+    elif env_id.startswith(XMINIGRID_PREFIX + "XLand-MiniGrid-"):
+        raise ConfigError(f"--env {env_id}: XLand-MiniGrid's R* envs draw their tasks from a benchmark's rulesets "
+                          "(a download), which ppo_jax does not load yet: use a MiniGrid-* id (--env xminigrid: lists them)")
+    elif env_id.startswith(XMINIGRID_PREFIX):
+        check_suite_id(env_id, XMINIGRID_PREFIX, xminigrid_names, "xminigrid", XMINIGRID_INSTALL)
     elif env_id == TOY_RLHF:
         toy_rlhf_params(tuple(overrides))
     elif env_id not in gymnax.registered_envs:
         close = difflib.get_close_matches(env_id, [*gymnax.registered_envs, TOY_RLHF], n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, or brax:NAME"
+        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, brax:NAME or xminigrid:NAME"
         raise ConfigError(f"--env {env_id!r} is not a gymnax environment: {hint}")
 
 
@@ -3521,10 +3644,11 @@ def format_table(metrics: dict[str, np.ndarray], rows: int) -> str:
 
 
 def new_run_dir(requested: str | None, name: str, first_file: str, text: str) -> str:
-    """Create a fresh run directory (`requested`, or runs/<name>-<timestamp>; never an existing one)
+    """Create a fresh run directory (`requested`, or runs/<safe name>-<timestamp>; never an existing one)
     holding its first file (config.json or sweep.toml), before anything compiles. One that cannot
     be made or written is a ConfigError (exit 2) and leaves nothing behind."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name)  # a filesystem-safe form (brax:ant -> brax_ant: no colon)
     path, suffix = requested or os.path.join("runs", f"{name}-{stamp}"), 1
     while True:
         try:
@@ -4924,8 +5048,9 @@ def run_command(config: Config, argv: list[str]):
     finals = final_return(result.metrics)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # no episode ended yet
-        print(f"final return (last 10% of updates): {np.nanmean(finals):.1f}"
-              + (f"  per seed: {' '.join(f'{x:.1f}' for x in finals)}" if len(finals) > 1 else ""))
+        shown = lambda x: f"{x:.1f}" if not abs(x) < 10 else f"{x:.3g}"  # noqa: E731  (MiniGrid's returns: < 1)
+        print(f"final return (last 10% of updates): {shown(np.nanmean(finals))}"
+              + (f"  per seed: {' '.join(shown(x) for x in finals)}" if len(finals) > 1 else ""))
     if writer and penalty_collapsed(config.hparams.kl_target, result.metrics).any():
         print(f"warning: {PENALTY_COLLAPSED}", file=sys.stderr)
     print(f"compile {result.lower_seconds + result.compile_seconds:.1f} s (lower {result.lower_seconds:.1f} + "

@@ -2187,6 +2187,96 @@ def test_learns_brax_inverted_pendulum():
     assert finals[0] >= 5 * returns[0] and finals[0] >= 50, (returns[0], finals)
 
 
+def test_xminigrid_adapter_steps_as_the_suite_does_across_goals_and_time_limits(tmp_path, capsys, monkeypatch):
+    """xminigrid:MiniGrid-Empty-5x5 with a 10-step limit, acting at random: every transition is the
+    suite's own step(params, timestep, action) from the same timestep (its reward; its LAST step
+    with discount 0, the goal, is terminated; one with discount 1, the limit, truncated; the final
+    observation its observation, one-hot), and where an episode ended the env continues from the
+    suite's reset(params, key) with the step's reset key. Bad ids, a non-positive limit, a missing
+    suite: one line each; --env xminigrid: lists the ids; the run directory's name has no colon."""
+    pytest.importorskip("xminigrid")
+    num_envs, limit = 8, 10
+    env = P.VecEnv("xminigrid:MiniGrid-Empty-5x5", num_envs, env_params=[f"max_steps_in_episode={limit}"])
+    suite, params = env.env.xminigrid_env, env.env.xminigrid_params.replace(max_steps=limit)
+    assert env.discrete and env.action_dim == 6 and env.obs_shape == (7, 7, 13 + 12) and env.episode_limit() == limit
+
+    def one_hot(obs):  # [..., 7, 7, 2] tiles and colours, as the adapter documents its encoding
+        return np.concatenate([np.eye(13)[obs[..., 0]], np.eye(12)[obs[..., 1]]], axis=-1).reshape(*obs.shape[:-3], -1)
+
+    @jax.jit
+    def steps(key):  # 60 steps: VecEnv's outputs, and the suite's own step and reset for comparison
+        def step(state, key):
+            action_key, step_key, reset_key = jax.random.split(key, 3)
+            action = jax.random.randint(action_key, (num_envs,), 0, 3)  # forward, left, right
+            reset_keys = jax.random.split(reset_key, (1, num_envs))
+            suite_next = jax.vmap(suite.step, in_axes=(None, 0, 0))(params, state.env_state.timestep, action)
+            fresh = jax.vmap(suite.reset, in_axes=(None, 0))(params, reset_keys[0]).observation
+            next_obs, state, reward, terminated, truncated, info = env.step(
+                jax.random.split(step_key, num_envs), state, action, jax.tree.map(lambda x: x[0], env.resets(reset_keys)))
+            return state, (next_obs, reward, terminated, truncated, info, suite_next, fresh)
+
+        return jax.lax.scan(step, env.reset(key)[1], jax.random.split(key, 60))[1]
+
+    seen = {"terminated": 0, "truncated": 0}
+    outputs = jax.device_get(steps(jax.random.PRNGKey(0)))
+    for t in range(60):
+        next_obs, reward, terminated, truncated, info, suite_next, fresh = jax.tree.map(lambda x: x[t], outputs)
+        last = suite_next.step_type == 2  # dm_env's LAST
+        np.testing.assert_array_equal(info["final_observation"], one_hot(suite_next.observation))
+        np.testing.assert_array_equal(reward, suite_next.reward)
+        np.testing.assert_array_equal(terminated, last & (suite_next.discount == 0))
+        np.testing.assert_array_equal(truncated, suite_next.state.step_num >= limit)
+        np.testing.assert_array_equal(terminated | truncated, last)
+        for n in range(num_envs):
+            ended = terminated[n] or truncated[n]
+            seen["terminated" if terminated[n] else "truncated"] += bool(ended)
+            expected = fresh[n] if ended else suite_next.observation[n]
+            np.testing.assert_array_equal(next_obs[n], one_hot(expected))
+            assert not terminated[n] or reward[n] == pytest.approx(1 - 0.9 * info["episode_length"][n] / limit)
+    assert seen["terminated"] >= 3 and seen["truncated"] >= 3, seen
+
+    for env_id, words in (("xminigrid:MiniGrid-Empty-9x9", "did you mean xminigrid:MiniGrid-Empty-8x8"),
+                          ("xminigrid:", "give an env name; it has xminigrid:MiniGrid-BlockedUnlockPickUp, "),
+                          ("xminigrid:XLand-MiniGrid-R1-9x9", "draw their tasks from a benchmark's rulesets")):
+        with pytest.raises(P.ConfigError, match=re.escape(words)):
+            P.check_env_id(env_id)
+    with pytest.raises(P.ConfigError, match="the time limit must be a positive number of steps"):
+        P.make_gymnax("xminigrid:MiniGrid-Empty-5x5", ["max_steps_in_episode=0"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:  # the listing, as a user asks for it
+        P.main(["--env", "xminigrid:", "--run-dir", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "xminigrid:MiniGrid-DoorKey-5x5" in err, err
+    assert not (tmp_path / "none").exists()
+    monkeypatch.setattr(P, "xminigrid_names", lambda: importlib.import_module("no_such_suite"))
+    with pytest.raises(P.ConfigError, match=re.escape("needs xminigrid, which is not installed: pip install -r "
+                                                      "requirements-xminigrid.txt")):
+        P.check_env_id("xminigrid:MiniGrid-Empty-5x5")
+    monkeypatch.chdir(tmp_path)  # a run directory's default name: no colon (Windows and some tools refuse one)
+    assert P.new_run_dir(None, "xminigrid:MiniGrid-Empty-5x5", "config.json", "{}").startswith(
+        os.path.join("runs", "xminigrid_MiniGrid-Empty-5x5-"))
+
+
+def test_xminigrid_learns_empty_and_resumes_bit_identically(tmp_path):
+    """--env xminigrid:MiniGrid-Empty-5x5 at its defaults on a short budget: the agent walks to the
+    goal (the suite's reward 1 - 0.9 x steps / 100: 0.955 for the shortest path) far above a random
+    policy. Sent SIGTERM after a chunk and resumed (the suite's states in the checkpoint), the run
+    ends with the metrics.csv, params and checkpoint of the run never stopped, byte for byte."""
+    pytest.importorskip("xminigrid")
+    argv = ["--env", "xminigrid:MiniGrid-Empty-5x5", "--total-timesteps", str(64 * 16 * 24), "--num-seeds", "2",
+            "--checkpoint-every", "6", "--table-rows", "0"]
+    whole = P.main([*argv, "--run-dir", str(tmp_path / "whole"), "--quiet"])
+    finals, random_return = P.final_return(whole.metrics), P.random_policy_return(whole.config)
+    print(f"MiniGrid-Empty-5x5 final return per seed {finals}, random policy {random_return:.3f}")
+    assert np.all(finals >= 0.85) and random_return < 0.5, (finals, random_return)
+    code, err = sigterm_at("update 6/24", [*argv, "--run-dir", str(tmp_path / "stopped")])
+    assert code == 143, err[-2000:]
+    assert P.load_checkpoint(str(tmp_path / "stopped"), whole.config).updates_done == 12
+    P.main(["--resume", str(tmp_path / "stopped"), "--quiet"])
+    for name in ("metrics.csv", "params.msgpack", "checkpoint.msgpack"):
+        assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
 # ------------------------------------------------------------------------------------------------
 # Sweeps
 # ------------------------------------------------------------------------------------------------
