@@ -1695,10 +1695,8 @@ class BraxEnv(GymnaxEnvironment):
 
     def __init__(self, name: str, backend: str):
         super().__init__()
-        from brax import envs as brax_envs  # the optional dependency
-
         self.brax_name = name
-        self.brax_env = brax_envs.get_environment(name, backend=backend)
+        self.brax_env = brax_environment(name, backend)
 
     @property
     def default_params(self) -> BraxEnvParams:
@@ -1722,6 +1720,15 @@ class BraxEnv(GymnaxEnvironment):
 
     def observation_space(self, params):
         return spaces.Box(-jnp.inf, jnp.inf, (self.brax_env.observation_size,), jnp.float32)
+
+
+@functools.cache
+def brax_environment(name: str, backend: str):
+    """Brax's env, built once per process (building its physics system takes seconds: 10 s for the
+    generalized inverted pendulum here, and every program of a run makes its env)."""
+    from brax import envs as brax_envs  # the optional dependency
+
+    return brax_envs.get_environment(name, backend=backend)
 
 
 def brax_names() -> list[str]:
@@ -3874,7 +3881,36 @@ def run_spec(config: Config) -> dict[str, Any]:
                                   if name not in RUN_FIELDS and name != "hparams"}))  # JSON's own types
 
 
+def children(node) -> list:  # a pytree node's immediate children, with their jax key paths
+    return jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+
+
+def teach_serialization(tree) -> None:
+    """Register with flax's serialization every pytree node type in `tree` that it does not know (Brax's
+    MJX State, a suite's state classes), as a dict of its children by jax's key names, so that an env's
+    state checkpoints like the rest of the TrainState."""
+    def state_dict(node):
+        return {jax.tree_util.keystr(path, simple=True): serialization.to_state_dict(child)
+                for path, child in children(node)}
+
+    def restore(target, state):
+        treedef = jax.tree_util.tree_structure(target, is_leaf=lambda x: x is not target)
+        return treedef.unflatten([serialization.from_state_dict(child, state[jax.tree_util.keystr(path, simple=True)])
+                                  for path, child in children(target)])
+
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        kids = children(node)
+        if node is None or (len(kids) == 1 and kids[0][1] is node):  # no children, or a leaf (an array)
+            continue
+        if serialization.to_state_dict(node) is node:  # flax returns what it does not know
+            serialization.register_serialization_state(type(node), state_dict, restore)
+        stack.extend(child for _, child in kids)
+
+
 def save_checkpoint(run_dir: str, config: Config, checkpoint: Checkpoint) -> None:
+    teach_serialization(checkpoint.state)
     data = {
         "format": CHECKPOINT_FORMAT,
         "config": json.dumps(run_spec(config)),
@@ -3932,6 +3968,7 @@ def load_checkpoint(run_dir: str, config: Config, keys=None, where: str | None =
             raise ConfigError(f"{where}: the checkpoint was written with {flag(name)} {saved.get(name)}, but config.json "
                               f"says {expected[name]}: restore config.json, or start a new run")
     template = abstract_train_state(config, keys)
+    teach_serialization(template)
     want = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), keep_empty_nodes=True, sep="/")
     state = data["state"]
     found = flax.traverse_util.flatten_dict(state, keep_empty_nodes=True, sep="/") if isinstance(state, dict) else {}
@@ -3947,7 +3984,8 @@ def load_checkpoint(run_dir: str, config: Config, keys=None, where: str | None =
         found.update({name: np.asarray(fresh[name]) for name in missing})
     for name, leaf in want.items():
         value = found.get(name)
-        if leaf is empty:
+        if leaf is empty or leaf is None:  # (None: a field the env's state leaves unset, e.g. Brax's)
+            found[name] = leaf
             continue
         if not isinstance(value, np.ndarray) or value.shape != leaf.shape or value.dtype != leaf.dtype:
             got = "nothing" if value is None else f"{np.shape(value)} {getattr(value, 'dtype', type(value).__name__)}"
