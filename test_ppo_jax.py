@@ -1347,8 +1347,9 @@ def test_a_layer_added_to_the_critics_trunk_is_the_critics(tmp_path):
 def test_readme_spo_ablation_applied_to_a_copy_runs_on_and_off_and_without_clipping(tmp_path):
     """The README's worked ablation, taken from its text and applied as it says to a copy of ppo_jax.py
     (the HParams field, the snippet before policy_objective's return): --spo off is the run as before,
-    bit for bit, also at --clip-eps 0 (the paper's no-clipping baseline, rule 5); --spo on is finite and
-    another run."""
+    also at --clip-eps 0 (the paper's no-clipping baseline, rule 5); --spo on is finite and another run.
+    "As before" is up to float32 rounding: the fork is another program, which XLA may fuse otherwise
+    (bit-identical on some CPUs, 1e-5 apart on an AMD EPYC); the NaN of rule 5 is no rounding."""
     snippet = readme_block("`policy_objective`, before its `return`")
     fork = forked(tmp_path, ("    clip_eps_high: float = 0.0\n", "    spo: bool = False\n"),
                   ("    return jnp.where(dual, hparams.dual_clip * advantages, objective), clipped | dual", snippet),
@@ -1362,8 +1363,8 @@ def test_readme_spo_ablation_applied_to_a_copy_runs_on_and_off_and_without_clipp
         runs[name] = read_metrics_csv(tmp_path / name / "metrics.csv")
         assert all(np.all(np.isfinite(runs[name][m])) for m in P.GUARDED_METRICS), name
     for off, before in [("off", "before"), ("unclipped", "unclipped before")]:
-        for metric, values in runs[before].items():
-            np.testing.assert_array_equal(runs[off][metric], values, err_msg=f"{off}: {metric}")
+        for metric, values in runs[before].items():  # the fork is another XLA program: equal up to its rounding
+            np.testing.assert_allclose(runs[off][metric], values, rtol=1e-4, atol=1e-8, err_msg=f"{off}: {metric}")
     assert not np.allclose(runs["spo"]["policy_loss"], runs["off"]["policy_loss"])
     assert json.loads((tmp_path / "spo" / "config.json").read_text())["hparams"]["spo"] is True
 
@@ -2039,7 +2040,7 @@ def test_learns_catch_with_grpo_the_leash_in_the_loss_and_no_critic(tmp_path):
     with open(tmp_path / "grpo" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert all(row["value_loss"] in ("", "nan") and row["explained_variance"] in ("", "nan") for row in rows)
-    assert all(float(row["ref_kl"]) >= 0 for row in rows)
+    assert all(float(row["ref_kl"]) >= -1e-9 for row in rows)  # k3 >= 0, but for float32 rounding at the reference
 
 
 def test_a_collapsed_ppo_penalty_is_reported(tmp_path, capsys):
