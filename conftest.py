@@ -34,6 +34,7 @@ LONGEST_FIRST = (  # the tests that took over 20 s on 2 cores (pytest --duration
     "test_eval_sampled_and_continuous",
     "test_brax_adapter_flags_truncation_and_termination_and_keeps_the_final_observation",
     "test_every_brax_backends_state_goes_through_a_checkpoint_unchanged",
+    "test_jumanji_tetris_learns_through_its_mask_and_resumes_bit_identically",
     "test_xminigrid_learns_empty_and_resumes_bit_identically",
 )
 

@@ -22,7 +22,7 @@ Where to hack (the five rules a change must keep are in HParams' docstring):
     optimizer, lr schedule   make_optimizer (optax; groups: actor_critic_labels), learning_rate
     a hyperparameter         a field of HParams (traced: a flag and a sweep axis, swept without recompiling)
     carried across updates   a field of TrainState, its initial value in init_train_state
-    environments             VecEnv (gymnax); adapters: BraxEnv, XMiniGridEnv; ToyRLHF (RLHF in miniature;
+    environments             VecEnv (gymnax); adapters: BraxEnv, XMiniGridEnv, JumanjiEnv; ToyRLHF (RLHF in miniature;
                              its ground truth: section 8)
     metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
 
@@ -262,7 +262,8 @@ class Config:
     env: str = "CartPole-v1"
     """gymnax environment id (e.g. CartPole-v1, Pendulum-v1, Acrobot-v1, MountainCarContinuous-v0,
     Breakout-MinAtar, MemoryChain-bsuite), brax:NAME (brax:ant, brax:hopper, brax:inverted_pendulum,
-    ...; needs requirements-brax.txt), or ToyRLHF-v0 (RLHF in miniature: --env-params mode=fluency|gold|proxy
+    ...; needs requirements-brax.txt), xminigrid:NAME and jumanji:NAME (XLand-MiniGrid, Jumanji: needs their
+    requirements-*.txt; the prefix alone lists the suite's envs), or ToyRLHF-v0 (RLHF in miniature: --env-params mode=fluency|gold|proxy
     vocab length seed n_labels). The defaults shown by --help are that env's defaults."""
     env_params: tuple[str, ...] = ()
     """Override the env's gymnax EnvParams, e.g. --env-params gravity=12.0 max_steps_in_episode=200
@@ -531,6 +532,19 @@ XMINIGRID: dict[str, Any] = dict(
 )
 
 
+# Jumanji publishes A2C, not PPO (its jumanji/training/configs: 20-step rollouts, 64-128 envs, entropy
+# 0.01, lr 1e-4 to 3e-4, GAE lambda 0.95, gamma 0.997 to 1.0, and 10^8 steps and more): its rollout
+# length and entropy bonus here, in a CPU's batch and budget and PPO's update.
+JUMANJI: dict[str, Any] = dict(
+    total_timesteps=1_000_000,
+    num_envs=64,
+    num_steps=20,
+    update_epochs=4,
+    num_minibatches=4,
+    hparams=dict(lr=3e-4, gamma=0.99, gae_lambda=0.95, ent_coef=0.01, max_grad_norm=0.5),
+)
+
+
 ENV_DEFAULTS: dict[str, dict[str, Any]] = {
     "ToyRLHF-v0": TOY_RLHF_DEFAULTS,
     "CartPole-v1": CLASSIC_DISCRETE,
@@ -552,6 +566,8 @@ def default_config(env_id: str, **fields) -> Config:
         overrides = BRAX
     elif env_id.startswith(XMINIGRID_PREFIX):
         overrides = XMINIGRID
+    elif env_id.startswith(JUMANJI_PREFIX):
+        overrides = JUMANJI
     elif env_id.endswith("-MinAtar"):
         overrides = MINATAR
     else:
@@ -577,6 +593,17 @@ def default_config(env_id: str, **fields) -> Config:
 # this jax, and each of these is a few lines that the tests check against scipy. Sampling is split
 # into noise(key, shape) and sample_from(noise) so that a rollout draws all its noise in one call.
 LOG_2PI = math.log(2.0 * math.pi)
+
+
+# An illegal action's logit (invalid action masking, Huang & Ontanon 2022): its probability is exp(-1e9) = 0
+# in float32 and 0 * -1e9 = 0 in the entropy and KL sums, where -inf would give NaN.
+MASKED_LOGIT = -1e9
+
+
+def masked_logits(logits, legal):
+    """logits [..., A] with every action where legal [..., A] is False set to MASKED_LOGIT: probability 0,
+    never sampled, and no gradient reaches its logit."""
+    return jnp.where(legal, logits, MASKED_LOGIT)
 
 
 @struct.dataclass
@@ -666,10 +693,13 @@ class ActorCritic(nn.Module):
     image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over the observation
     recurrent_size: int = 0  # > 0: a GRU of this many units after the torso
     critic: bool = True  # False: no critic trunk or value head (the values are zeros)
+    action_mask: bool = False  # the obs's last action_dim columns say which actions are legal (1) (discrete)
 
     @nn.compact
     def __call__(self, obs, first=None, hidden=None):  # -> (hiddens, distribution over [...] actions, values [...])
         activation = {"tanh": nn.tanh, "relu": nn.relu}[self.activation]
+        if self.action_mask:  # the mask is no feature: it only masks the policy's logits
+            obs, legal = obs[..., :-self.action_dim], obs[..., -self.action_dim:] > 0.5
         init = orthogonal if self.orthogonal_init else lambda scale: nn.initializers.lecun_normal()
 
         def layer(width, scale, name):
@@ -701,7 +731,7 @@ class ActorCritic(nn.Module):
         else:
             values = jnp.zeros(policy_out.shape[:-1], jnp.float32)
         if self.discrete:
-            return hiddens, Categorical(policy_out), values
+            return hiddens, Categorical(masked_logits(policy_out, legal) if self.action_mask else policy_out), values
         log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
         return hiddens, DiagGaussian(policy_out, jnp.broadcast_to(log_std, policy_out.shape)), values
 
@@ -762,10 +792,11 @@ class RunningStats:
     mean: jax.Array
     var: jax.Array
     count: jax.Array
+    raw: int = struct.field(pytree_node=False, default=0)  # the last `raw` columns are left as they are (an action mask)
 
     @classmethod
-    def zeros(cls, shape=()):
-        return cls(jnp.zeros(shape, jnp.float32), jnp.ones(shape, jnp.float32), jnp.zeros((), jnp.float32))
+    def zeros(cls, shape=(), raw: int = 0):
+        return cls(jnp.zeros(shape, jnp.float32), jnp.ones(shape, jnp.float32), jnp.zeros((), jnp.float32), raw)
 
     def update(self, batch):  # batch: [n, *shape]
         n = batch.shape[0]
@@ -774,10 +805,13 @@ class RunningStats:
         delta = batch_mean - self.mean
         mean = self.mean + delta * n / total
         sum_squares = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
-        return RunningStats(mean, sum_squares / total, total)
+        return self.replace(mean=mean, var=sum_squares / total, count=total)
 
     def normalize(self, x, clip):
-        return jnp.clip((x - self.mean) / jnp.sqrt(self.var + 1e-8), -clip, clip)
+        normalized = jnp.clip((x - self.mean) / jnp.sqrt(self.var + 1e-8), -clip, clip)
+        if not self.raw:
+            return normalized
+        return jnp.where(jnp.arange(x.shape[-1]) >= x.shape[-1] - self.raw, x, normalized)
 
 
 @struct.dataclass
@@ -1355,7 +1389,7 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
     return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation,
                        config.shared_trunk, image_shape=env.obs_shape if cnn else None,
                        recurrent_size=config.recurrent_size if config.recurrent == "gru" else 0,
-                       critic=config.adv_estimator == "gae")
+                       critic=config.adv_estimator == "gae", action_mask=env.action_mask_size > 0)
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
@@ -1365,11 +1399,11 @@ def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -
     inputs = (obs[None], jnp.ones((1, len(obs)), bool), initial_hidden(network, len(obs)))  # one step of [N] envs
     if isinstance(hparams.ortho_init, bool):
         return Policy(network.clone(orthogonal_init=hparams.ortho_init).init(key, *inputs),
-                      RunningStats.zeros((env.obs_dim,)))
+                      RunningStats.zeros((env.obs_dim,), env.action_mask_size))
     orthogonal = network.init(key, *inputs)
     default = network.clone(orthogonal_init=False).init(key, *inputs)
     params = jax.tree.map(lambda a, b: jnp.where(hparams.ortho_init, a, b), orthogonal, default)
-    return Policy(params, RunningStats.zeros((env.obs_dim,)))
+    return Policy(params, RunningStats.zeros((env.obs_dim,), env.action_mask_size))
 
 
 def init_train_state(key, env: VecEnv, network: ActorCritic, tx, hparams: HParams,
@@ -1576,6 +1610,7 @@ class VecEnv:
         self.obs_dim = int(np.prod(self.obs_shape))
         self.own_step = type(self.env).step is not GymnaxEnvironment.step
         self.episode_metrics = getattr(self.env, "episode_metrics", ())  # info entries reported where episodes end
+        self.action_mask_size = getattr(self.env, "action_mask_size", 0)  # the obs's last columns: 1 = a legal action
 
     def _flat(self, obs):  # [..., *obs_shape] -> [..., obs_dim] float32
         batch_shape = obs.shape[:obs.ndim - len(self.obs_shape)]
@@ -1814,6 +1849,124 @@ def xminigrid_names() -> list[str]:
     return [name for name in xminigrid.registered_environments() if name.startswith("MiniGrid-")]
 
 
+# A Jumanji env (the jumanji package: --env jumanji:Snake-v1) seen through gymnax's interface. jumanji
+# is imported only here, only when asked for.
+JUMANJI_PREFIX = "jumanji:"
+
+
+JUMANJI_INSTALL = "pip install -r requirements-jumanji.txt"
+
+
+JUMANJI_MAX_ACTIONS = 4096  # a multi-discrete action is one categorical over the product of its parts
+
+
+@struct.dataclass
+class JumanjiParams(GymnaxEnvParams):
+    max_steps_in_episode: int = 0  # the time limit; make_gymnax sets the suite's own (or 10,000 where it has none)
+
+
+@struct.dataclass
+class JumanjiState(GymnaxEnvState):  # and gymnax's `time`: steps since the reset
+    suite: Any  # jumanji's State
+    suite_truncated: jax.Array = False  # the suite ended the episode with discount 1 (its own time limit)
+
+
+class JumanjiEnv(GymnaxEnvironment):
+    """A Jumanji env, stepped by its own reset(key) -> (state, timestep) and step(state, action).
+    dm_env's convention: a LAST step with discount 0 is the termination; one with discount 1 the
+    suite's time limit, a truncation (it bootstraps), as is gymnax's own (state.time >=
+    max_steps_in_episode). Observations: the suite's structured observation, each field but the mask
+    flattened to float32 and concatenated in the suite's order; its `action_mask` goes last, raw
+    (action_mask_size columns: the network masks its logits with them, Huang & Ontanon 2022, and
+    RunningStats leaves them unnormalised). A multi-discrete action (Tetris, BinPack, Minesweeper: their
+    masks are over the joint action) is one categorical over the product of its parts."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        import jumanji  # the optional dependency
+
+        self.jumanji_name = name
+        self.jumanji_env = jumanji.make(name)
+        num_values = getattr(self.jumanji_env.action_spec, "num_values", 1)  # none: continuous (check_env_id refuses)
+        self.num_values = tuple(int(n) for n in np.ravel(num_values))
+        self.multi_discrete = np.ndim(num_values) > 0
+        observation = jax.eval_shape(self.jumanji_env.reset, jax.random.PRNGKey(0))[1].observation
+        self.obs_size = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.features(observation)))
+        mask = getattr(observation, "action_mask", None)
+        self.action_mask_size = 0 if mask is None else int(np.prod(mask.shape))
+        self.mask_shape = None if mask is None else tuple(mask.shape)
+
+    @staticmethod
+    def features(observation):  # every field of the suite's observation but its action mask
+        if hasattr(observation, "_replace") and hasattr(observation, "action_mask"):
+            return [value for field, value in observation._asdict().items() if field != "action_mask"]
+        return observation
+
+    def encode(self, observation):  # the suite's observation -> flat float32 [obs_size + action_mask_size]
+        parts = [jnp.ravel(leaf).astype(jnp.float32) for leaf in jax.tree.leaves(self.features(observation))]
+        if self.action_mask_size:
+            parts.append(jnp.ravel(observation.action_mask).astype(jnp.float32))
+        return jnp.concatenate(parts)
+
+    def decode(self, action):  # our action index -> the suite's action (multi-discrete: its parts)
+        if not self.multi_discrete:
+            return action
+        return jnp.stack(jnp.unravel_index(action, self.num_values)).astype(jnp.int32)
+
+    @property
+    def default_params(self) -> JumanjiParams:
+        return JumanjiParams(max_steps_in_episode=int(getattr(self.jumanji_env, "time_limit", None) or 10_000))
+
+    def reset_env(self, key, params):
+        state, timestep = self.jumanji_env.reset(key)
+        return self.encode(timestep.observation), JumanjiState(suite=state, time=jnp.zeros((), jnp.int32),
+                                                               suite_truncated=jnp.zeros((), bool))
+
+    def step_env(self, key, state, action, params):
+        suite, timestep = self.jumanji_env.step(state.suite, self.decode(action))
+        last = timestep.last()
+        next_state = JumanjiState(suite=suite, time=state.time + 1, suite_truncated=last & (timestep.discount > 0))
+        return self.encode(timestep.observation), next_state, timestep.reward, last & (timestep.discount == 0), {}
+
+    def is_truncated(self, state, params):
+        return state.suite_truncated | (state.time >= params.max_steps_in_episode)
+
+    @property
+    def name(self) -> str:
+        return JUMANJI_PREFIX + self.jumanji_name
+
+    def action_space(self, params=None):
+        return spaces.Discrete(int(np.prod(self.num_values)))
+
+    def observation_space(self, params):
+        return spaces.Box(-jnp.inf, jnp.inf, (self.obs_size + self.action_mask_size,), jnp.float32)
+
+
+def jumanji_names() -> list[str]:
+    import jumanji
+
+    return sorted(jumanji.registered_environments())
+
+
+def check_jumanji_env(env_id: str) -> None:
+    """Raise ConfigError where the jumanji env's actions or mask are ones this adapter does not take."""
+    try:
+        env = JumanjiEnv(env_id[len(JUMANJI_PREFIX):])
+    except Exception as error:  # e.g. Sokoban-v0 downloads its levels on construction
+        raise ConfigError(f"--env {env_id}: jumanji could not make it ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0][:200] if str(error) else ''}): use another Jumanji env") from None
+    spec = env.jumanji_env.action_spec
+    if not hasattr(spec, "num_values"):
+        raise ConfigError(f"--env {env_id}: its actions are {type(spec).__name__}, not discrete or multi-discrete; "
+                          "ppo_jax takes Jumanji's discrete and multi-discrete actions: use another Jumanji env")
+    if np.prod(env.num_values) > JUMANJI_MAX_ACTIONS:
+        raise ConfigError(f"--env {env_id}: its multi-discrete action has {int(np.prod(env.num_values))} joint values "
+                          f"(over {JUMANJI_MAX_ACTIONS}; a factorised policy is not built yet): use another Jumanji env")
+    if env.mask_shape is not None and env.mask_shape not in ((int(np.prod(env.num_values)),), env.num_values):
+        raise ConfigError(f"--env {env_id}: its action mask has shape {env.mask_shape}, not one entry per action "
+                          f"{env.num_values} (a per-agent mask: not supported yet): use another Jumanji env")
+
+
 # RLHF in miniature (README, "RLHF in miniature"): a response of `length` tokens from a vocabulary
 # of `vocab`, one token per step. A fixed random bigram "language" B, a gold preference and a proxy
 # reward model fitted to preferences labelled by the gold one; the reward is one of the three
@@ -2015,6 +2168,9 @@ def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
     if env_id.startswith(XMINIGRID_PREFIX):
         env = XMiniGridEnv(env_id[len(XMINIGRID_PREFIX):])
         return env, override_env_params(env.default_params, overrides)
+    if env_id.startswith(JUMANJI_PREFIX):
+        env = JumanjiEnv(env_id[len(JUMANJI_PREFIX):])
+        return env, override_env_params(env.default_params, overrides)
     if env_id == TOY_RLHF:
         return ToyRLHF(), toy_rlhf_params(tuple(overrides))
     env, params = gymnax.make(env_id)
@@ -2076,11 +2232,14 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
                           "(a download), which ppo_jax does not load yet: use a MiniGrid-* id (--env xminigrid: lists them)")
     elif env_id.startswith(XMINIGRID_PREFIX):
         check_suite_id(env_id, XMINIGRID_PREFIX, xminigrid_names, "xminigrid", XMINIGRID_INSTALL)
+    elif env_id.startswith(JUMANJI_PREFIX):
+        check_suite_id(env_id, JUMANJI_PREFIX, jumanji_names, "jumanji", JUMANJI_INSTALL)
+        check_jumanji_env(env_id)
     elif env_id == TOY_RLHF:
         toy_rlhf_params(tuple(overrides))
     elif env_id not in gymnax.registered_envs:
         close = difflib.get_close_matches(env_id, [*gymnax.registered_envs, TOY_RLHF], n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, brax:NAME or xminigrid:NAME"
+        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, brax:NAME, xminigrid:NAME or jumanji:NAME"
         raise ConfigError(f"--env {env_id!r} is not a gymnax environment: {hint}")
 
 
@@ -2960,8 +3119,8 @@ def load_sweep(cli: Config, explicit: dict[str, Any]) -> Sweep:
 
 
 def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> float:
-    """Mean return of complete episodes under uniformly random actions (the 0 of normalised
-    scores), over one episode limit's worth of steps in num_envs envs."""
+    """Mean return of complete episodes under uniformly random actions (legal ones, where the env
+    masks them: the 0 of normalised scores), over one episode limit's worth of steps in num_envs envs."""
     return float(random_policy_program(config, num_envs)(jax.random.PRNGKey(seed)))
 
 
@@ -2971,21 +3130,24 @@ def random_policy_program(config: Config, num_envs: int):
     space = env.env.action_space(env.env_params)
     steps = min(env.episode_limit(default=1000), 10_000) + 1  # one whole episode even at the limit (Freeway: 2500)
 
-    def step(env_state, inputs):
+    def step(carry, inputs):
+        obs, env_state = carry
         action_keys, step_keys, reset = inputs
         action = jax.vmap(space.sample)(action_keys)
         action = action if env.discrete else action.reshape(num_envs, env.action_dim)
-        _, env_state, _, terminated, truncated, info = env.step(step_keys, env_state, action, reset)
+        if env.action_mask_size:  # uniform over the legal actions
+            legal = obs[:, -env.action_mask_size:] > 0.5
+            action = Categorical(masked_logits(jnp.zeros(legal.shape), legal)).sample(action_keys[0])
+        obs, env_state, _, terminated, truncated, info = env.step(step_keys, env_state, action, reset)
         done = (terminated | truncated).astype(jnp.float32)
-        return env_state, (done * info["episode_return"], done)
+        return (obs, env_state), (done * info["episode_return"], done)
 
     @functools.partial(jax.jit, compiler_options=xla_options())
     def rollout(key):
         reset_key, action_key, step_key, resets_key = jax.random.split(key, 4)
-        _, env_state = env.reset(reset_key)
         inputs = (jax.random.split(action_key, (steps, num_envs)), jax.random.split(step_key, (steps, num_envs)),
                   env.draw_resets(resets_key, steps))
-        _, (returns, done) = jax.lax.scan(step, env_state, inputs)
+        _, (returns, done) = jax.lax.scan(step, env.reset(reset_key), inputs)
         return returns.sum() / done.sum()
 
     return rollout

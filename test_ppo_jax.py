@@ -2208,6 +2208,31 @@ def test_learns_brax_inverted_pendulum():
     assert finals[0] >= 5 * returns[0] and finals[0] >= 50, (returns[0], finals)
 
 
+def check_suite_front_door(tmp_path, capsys, monkeypatch, env_id: str, listed: str, names: str, bad_ids) -> None:
+    """A suite's ids as a user meets them: each (id, --env-params, words) of bad_ids one ConfigError with
+    those words; a non-positive time limit refused; `--env PREFIX:` alone lists the ids (one line, exit 2,
+    nothing written); without the package (P.<names> failing to import it) one line names its
+    requirements file; the run directory's default name has no colon (Windows and some tools refuse one)."""
+    prefix, package = env_id.split(":")[0] + ":", env_id.split(":")[0]
+    for bad, overrides, words in bad_ids:
+        with pytest.raises(P.ConfigError, match=re.escape(words)):
+            P.check_env_id(bad, overrides)
+    with pytest.raises(P.ConfigError, match="the time limit must be a positive number of steps"):
+        P.make_gymnax(env_id, ["max_steps_in_episode=-1"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:  # the listing, as a user asks for it
+        P.main(["--env", prefix, "--run-dir", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and listed in err, err
+    assert not (tmp_path / "none").exists()
+    monkeypatch.setattr(P, names, lambda: importlib.import_module("no_such_suite"))
+    with pytest.raises(P.ConfigError, match=re.escape(f"needs {package}, which is not installed: pip install -r "
+                                                      f"requirements-{package}.txt")):
+        P.check_env_id(env_id)
+    monkeypatch.chdir(tmp_path)
+    assert P.new_run_dir(None, env_id, "config.json", "{}").startswith(os.path.join("runs", env_id.replace(":", "_") + "-"))
+
+
 def test_xminigrid_adapter_steps_as_the_suite_does_across_goals_and_time_limits(tmp_path, capsys, monkeypatch):
     """xminigrid:MiniGrid-Empty-5x5 with a 10-step limit, acting at random: every transition is the
     suite's own step(params, timestep, action) from the same timestep (its reward; its LAST step
@@ -2256,26 +2281,26 @@ def test_xminigrid_adapter_steps_as_the_suite_does_across_goals_and_time_limits(
             assert not terminated[n] or reward[n] == pytest.approx(1 - 0.9 * info["episode_length"][n] / limit)
     assert seen["terminated"] >= 3 and seen["truncated"] >= 3, seen
 
-    for env_id, words in (("xminigrid:MiniGrid-Empty-9x9", "did you mean xminigrid:MiniGrid-Empty-8x8"),
-                          ("xminigrid:", "give an env name; it has xminigrid:MiniGrid-BlockedUnlockPickUp, "),
-                          ("xminigrid:XLand-MiniGrid-R1-9x9", "draw their tasks from a benchmark's rulesets")):
-        with pytest.raises(P.ConfigError, match=re.escape(words)):
-            P.check_env_id(env_id)
-    with pytest.raises(P.ConfigError, match="the time limit must be a positive number of steps"):
-        P.make_gymnax("xminigrid:MiniGrid-Empty-5x5", ["max_steps_in_episode=0"])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:  # the listing, as a user asks for it
-        P.main(["--env", "xminigrid:", "--run-dir", str(tmp_path / "none")])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1 and "xminigrid:MiniGrid-DoorKey-5x5" in err, err
-    assert not (tmp_path / "none").exists()
-    monkeypatch.setattr(P, "xminigrid_names", lambda: importlib.import_module("no_such_suite"))
-    with pytest.raises(P.ConfigError, match=re.escape("needs xminigrid, which is not installed: pip install -r "
-                                                      "requirements-xminigrid.txt")):
-        P.check_env_id("xminigrid:MiniGrid-Empty-5x5")
-    monkeypatch.chdir(tmp_path)  # a run directory's default name: no colon (Windows and some tools refuse one)
-    assert P.new_run_dir(None, "xminigrid:MiniGrid-Empty-5x5", "config.json", "{}").startswith(
-        os.path.join("runs", "xminigrid_MiniGrid-Empty-5x5-"))
+    check_suite_front_door(tmp_path, capsys, monkeypatch, "xminigrid:MiniGrid-Empty-5x5", "xminigrid:MiniGrid-DoorKey-5x5",
+                           "xminigrid_names", (
+                               ("xminigrid:MiniGrid-Empty-9x9", (), "did you mean xminigrid:MiniGrid-Empty-8x8"),
+                               ("xminigrid:", (), "give an env name; it has xminigrid:MiniGrid-BlockedUnlockPickUp, "),
+                               ("xminigrid:XLand-MiniGrid-R1-9x9", (), "draw their tasks from a benchmark's rulesets")))
+
+
+def learns_and_resumes(tmp_path, argv: list[str], stop_at: str) -> tuple[np.ndarray, float]:
+    """`python ppo_jax.py ARGV` whole, and again sent SIGTERM at the line holding `stop_at` (after a chunk)
+    and resumed: the resumed run ends with the metrics.csv, params and checkpoint of the run never stopped,
+    byte for byte (the suite's states went through the checkpoint). -> (the final return per seed, a random
+    policy's return)."""
+    whole = P.main([*argv, "--run-dir", str(tmp_path / "whole"), "--quiet"])
+    code, err = sigterm_at(stop_at, [*argv, "--run-dir", str(tmp_path / "stopped")])
+    assert code == 143, err[-2000:]
+    assert 0 < P.load_checkpoint(str(tmp_path / "stopped"), whole.config).updates_done < whole.metrics["episode_return"].shape[-1]
+    P.main(["--resume", str(tmp_path / "stopped"), "--quiet"])
+    for name in ("metrics.csv", "params.msgpack", "checkpoint.msgpack"):
+        assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    return P.final_return(whole.metrics), P.random_policy_return(whole.config)
 
 
 def test_xminigrid_learns_empty_and_resumes_bit_identically(tmp_path):
@@ -2286,16 +2311,144 @@ def test_xminigrid_learns_empty_and_resumes_bit_identically(tmp_path):
     pytest.importorskip("xminigrid")
     argv = ["--env", "xminigrid:MiniGrid-Empty-5x5", "--total-timesteps", str(64 * 16 * 24), "--num-seeds", "2",
             "--checkpoint-every", "6", "--table-rows", "0"]
-    whole = P.main([*argv, "--run-dir", str(tmp_path / "whole"), "--quiet"])
-    finals, random_return = P.final_return(whole.metrics), P.random_policy_return(whole.config)
+    finals, random_return = learns_and_resumes(tmp_path, argv, "update 6/24")
     print(f"MiniGrid-Empty-5x5 final return per seed {finals}, random policy {random_return:.3f}")
     assert np.all(finals >= 0.85) and random_return < 0.5, (finals, random_return)
-    code, err = sigterm_at("update 6/24", [*argv, "--run-dir", str(tmp_path / "stopped")])
-    assert code == 143, err[-2000:]
-    assert P.load_checkpoint(str(tmp_path / "stopped"), whole.config).updates_done == 12
-    P.main(["--resume", str(tmp_path / "stopped"), "--quiet"])
-    for name in ("metrics.csv", "params.msgpack", "checkpoint.msgpack"):
-        assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+@pytest.mark.fast
+def test_masked_actions_get_probability_zero_no_samples_and_no_gradient():
+    """Invalid action masking (Huang & Ontanon 2022) as ActorCritic does it where an env gives a mask
+    (the obs's last action_dim columns): a masked action has probability exactly 0, is never sampled
+    nor the mode, and no gradient of the log-probabilities, entropy or KL reaches its logit or its
+    policy-head weights; legal actions keep a proper distribution (it sums to 1, entropy and KL
+    finite). RunningStats leaves the mask's columns raw, so --norm-obs cannot blur it."""
+    network = P.ActorCritic(4, True, (8,), action_mask=True)
+    legal = np.array([[1, 0, 1, 1], [0, 0, 1, 0], [1, 1, 1, 1], [1, 0, 0, 1]] * 16, np.float32)  # [64, 4]
+    features = jax.random.normal(jax.random.PRNGKey(0), (64, 5))
+    obs = jnp.concatenate([features, legal], axis=-1)
+    params = P.init_policy(jax.random.PRNGKey(1), P.VecEnv("CartPole-v1", 1), network, P.HParams(),
+                           jnp.zeros((1, 9))).params
+    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(2), x.shape), params)
+    _, dist, _ = network.apply(params, obs)
+    probs = np.asarray(jax.nn.softmax(dist.logits))
+    assert np.all(probs[legal == 0] == 0) and np.all(probs[legal == 1] > 0)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-6)
+    samples = jax.vmap(dist.sample)(jax.random.split(jax.random.PRNGKey(3), 500))  # [500, 64]
+    assert np.all(np.take_along_axis(np.broadcast_to(legal, (500, 64, 4)), np.asarray(samples)[..., None], -1) == 1)
+    assert np.all(legal[np.arange(64), np.asarray(dist.mode())] == 1)
+    assert len(np.unique(np.asarray(samples)[:, 2])) == 4  # an all-legal row: every action drawn
+
+    never = obs.at[:, 5 + 1].set(0.0)  # action 1 illegal in every sample
+    actions = jnp.asarray([0, 2, 3, 0] * 16)
+
+    def loss(params):
+        _, dist, _ = network.apply(params, never)
+        _, other, _ = network.apply(jax.tree.map(lambda x: 1.1 * x, params), never)
+        return jnp.mean(dist.log_prob(actions) + dist.entropy() + dist.kl(other))
+
+    value, grads = jax.value_and_grad(loss)(params)
+    head = grads["params"]["policy_head"]
+    assert np.isfinite(value) and np.abs(head["kernel"][:, 0]).max() > 0
+    assert np.all(head["kernel"][:, 1] == 0) and head["bias"][1] == 0
+    logits_grad = jax.grad(lambda z: jnp.sum(P.Categorical(P.masked_logits(z, legal > 0)).entropy()))(
+        jnp.asarray(features[:, :4]))
+    assert np.all(np.asarray(logits_grad)[legal == 0] == 0)
+
+    stats = P.RunningStats.zeros((9,), raw=4).update(obs * 3.0 + 1.0)
+    normalized = stats.normalize(obs, 10.0)
+    np.testing.assert_array_equal(normalized[:, 5:], legal)
+    assert not np.allclose(normalized[:, :5], obs[:, :5])
+    restored = serialization.from_bytes(P.RunningStats.zeros((9,), raw=4), serialization.to_bytes(stats))
+    assert restored.raw == 4  # static: the target's, as a checkpoint is read
+
+
+def test_jumanji_adapter_steps_as_the_suite_does_across_ends_and_time_limits(tmp_path, capsys, monkeypatch):
+    """jumanji:Snake-v1, acting at random: every transition is the suite's own step(state, action) from
+    the same state (its reward; a LAST step with discount 0, the snake's collision, is terminated;
+    gymnax's limit and a suite's own time limit, a LAST with discount 1 (LevelBasedForaging's; a Snake
+    made so here), truncated; the final
+    observation the suite's: grid, step count and then the action mask, raw), and where an episode
+    ended the env continues from the suite's reset(key) with the step's reset key. Bad ids, an env it
+    cannot take, a missing suite: one line each; --env jumanji: lists the ids; no colon in the run
+    directory's name."""
+    pytest.importorskip("jumanji")
+    num_envs, limit = 16, 25
+
+    def encoding(observation):  # the adapter's documented encoding of Snake's observation
+        n = observation.grid.shape[0]
+        return np.concatenate([observation.grid.reshape(n, -1), observation.step_count.reshape(n, 1),
+                               observation.action_mask.reshape(n, -1)], axis=-1).astype(np.float32)
+
+    def compare(env, suite, steps_count, suite_limit):
+        @jax.jit
+        def steps(key):
+            def step(state, key):
+                action_key, step_key, reset_key = jax.random.split(key, 3)
+                action = jax.random.randint(action_key, (num_envs,), 0, 4)
+                reset_keys = jax.random.split(reset_key, (1, num_envs))
+                suite_next = jax.vmap(suite.step)(state.env_state.suite, action)[1]
+                fresh = jax.vmap(suite.reset)(reset_keys[0])[1].observation
+                next_obs, state, reward, terminated, truncated, info = env.step(
+                    jax.random.split(step_key, num_envs), state, action, jax.tree.map(lambda x: x[0], env.resets(reset_keys)))
+                return state, (next_obs, reward, terminated, truncated, info, suite_next, fresh, state.env_state.time)
+
+            return jax.lax.scan(step, env.reset(key)[1], jax.random.split(key, steps_count))[1]
+
+        seen = {"terminated": 0, "truncated": 0}
+        outputs = jax.device_get(steps(jax.random.PRNGKey(0)))
+        for t in range(steps_count):
+            next_obs, reward, terminated, truncated, info, suite_next, fresh, _ = jax.tree.map(lambda x: x[t], outputs)
+            last = suite_next.step_type == 2  # dm_env's LAST
+            np.testing.assert_array_equal(info["final_observation"], encoding(suite_next.observation))
+            np.testing.assert_array_equal(reward, suite_next.reward)
+            np.testing.assert_array_equal(terminated, last & (suite_next.discount == 0))
+            np.testing.assert_array_equal(truncated, (last & (suite_next.discount > 0)) | (info["episode_length"] >= limit))
+            assert np.all(info["episode_length"][truncated] == min(limit, suite_limit))
+            for n in range(num_envs):
+                ended = terminated[n] or truncated[n]
+                seen["terminated" if terminated[n] else "truncated"] += bool(ended)
+                expected = jax.tree.map(lambda x: x[n:n + 1], fresh if ended else suite_next.observation)
+                np.testing.assert_array_equal(next_obs[n], encoding(expected)[0])
+        assert seen["terminated"] >= 3 and seen["truncated"] >= 3, seen
+
+    env = P.VecEnv("jumanji:Snake-v1", num_envs, env_params=[f"max_steps_in_episode={limit}"])
+    assert env.discrete and env.action_dim == 4 and env.action_mask_size == 4 and env.obs_dim == 12 * 12 * 5 + 1 + 4
+    assert P.VecEnv("jumanji:Snake-v1", 1).episode_limit() == 4000  # the suite's own limit by default
+    compare(env, env.env.jumanji_env, 60, suite_limit=4000)  # gymnax's limit truncates
+    from jumanji.environments import Snake
+
+    class TruncatedSnake(Snake):  # Snake's time limit is a termination (its step count is observed): here LBF's way
+        def step(self, state, action):
+            state, timestep = super().step(state, action)
+            return state, timestep.replace(discount=jnp.where(state.step_count >= self.time_limit, 1.0, timestep.discount)
+                                           .astype(timestep.discount.dtype))
+
+    short = TruncatedSnake(time_limit=12)
+    env = P.VecEnv("jumanji:Snake-v1", num_envs)
+    env.env.jumanji_env = short
+    compare(env, short, 60, suite_limit=12)  # the suite's own time limit truncates
+
+    check_suite_front_door(tmp_path, capsys, monkeypatch, "jumanji:Snake-v1", "jumanji:Maze-v0", "jumanji_names", (
+        ("jumanji:Snake-v2", (), "did you mean jumanji:Snake-v1"),
+        ("jumanji:", (), "give an env name; it has jumanji:BinPack-v2, "),
+        ("jumanji:Cleaner-v0", (), "its action mask has shape (3, 4), not one entry per action"),
+        ("jumanji:Connector-v3", (), "9765625 joint values"),
+        ("jumanji:SearchAndRescue-v0", (), "its actions are BoundedArray, not discrete")))
+
+
+def test_jumanji_tetris_learns_through_its_mask_and_resumes_bit_identically(tmp_path):
+    """--env jumanji:Tetris-v0 (a multi-discrete action, rotation x column, as one categorical under the
+    suite's joint mask) at its defaults on a short budget: both seeds clear well over 1.3 x the lines
+    of a uniformly random legal policy. Sent SIGTERM after a chunk and resumed (the suite's states in
+    the checkpoint), the run ends with the metrics.csv, params and checkpoint of the run never
+    stopped, byte for byte."""
+    pytest.importorskip("jumanji")
+    argv = ["--env", "jumanji:Tetris-v0", "--total-timesteps", str(64 * 20 * 256), "--num-seeds", "2",
+            "--checkpoint-every", "64", "--table-rows", "0"]
+    finals, random_return = learns_and_resumes(tmp_path, argv, "update 64/256")
+    print(f"jumanji:Tetris-v0 final return per seed {finals}, random legal policy {random_return:.2f}")
+    assert np.all(finals >= 1.3 * random_return) and random_return > 2, (finals, random_return)
 
 
 # ------------------------------------------------------------------------------------------------
