@@ -22,8 +22,8 @@ Where to hack (the five rules a change must keep are in HParams' docstring):
     optimizer, lr schedule   make_optimizer (optax; groups: actor_critic_labels), learning_rate
     a hyperparameter         a field of HParams (traced: a flag and a sweep axis, swept without recompiling)
     carried across updates   a field of TrainState, its initial value in init_train_state
-    environments             VecEnv (gymnax); adapters: BraxEnv, XMiniGridEnv, JumanjiEnv; ToyRLHF (RLHF in miniature;
-                             its ground truth: section 8)
+    environments             VecEnv; adapters: BraxEnv, PlaygroundEnv, XMiniGridEnv, JumanjiEnv, CraftaxEnv;
+                             ToyRLHF (RLHF in miniature; its ground truth: section 8)
     metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
 
 Sections: 1 HParams, Config; 2 the PPO (network, rollout, advantages, loss, update, make_train); 3 envs;
@@ -532,6 +532,36 @@ XMINIGRID: dict[str, Any] = dict(
 )
 
 
+# MuJoCo Playground's Brax PPO for the DM Control Suite (its config/dm_control_suite_params.py: 2048 envs x
+# 30 steps, 16 epochs of 32 minibatches, lr 1e-3, gamma 0.995, entropy 0.01, observation normalisation,
+# rewards x 10, 6e7 steps) at a CPU's scale: 64 envs x 30 steps, 16 epochs of 4 minibatches (each sample in
+# 16 gradient steps, as there); the return normalisation here in place of its fixed reward scale.
+PLAYGROUND: dict[str, Any] = dict(
+    total_timesteps=2_000_000,
+    num_envs=64,
+    num_steps=30,
+    update_epochs=16,
+    num_minibatches=4,
+    hparams=dict(lr=1e-3, gamma=0.995, gae_lambda=0.95, ent_coef=0.01, norm_obs=True, scale_reward=True),
+)
+
+
+# Craftax's PPO (Craftax_Baselines ppo.py: 1024 envs x 64 steps, 4 epochs of 8 minibatches, lr 2e-4 annealed,
+# gamma 0.99, GAE lambda 0.8, entropy 0.01, gradient norm 1.0, an MLP of 3 x 512 tanh for actor and critic,
+# optimistic resets at a ratio of 16, 1e9 steps) at a CPU's scale: 64 envs x 64 steps, 4 epochs of 4 minibatches
+# (1024 samples each), its network, 1e6 steps (the Craftax-1M budget).
+CRAFTAX: dict[str, Any] = dict(
+    total_timesteps=1_000_000,
+    num_envs=64,
+    num_steps=64,
+    update_epochs=4,
+    num_minibatches=4,
+    hidden_sizes=(512, 512, 512),
+    activation="tanh",
+    hparams=dict(lr=2e-4, gamma=0.99, gae_lambda=0.8, ent_coef=0.01, max_grad_norm=1.0),
+)
+
+
 # Jumanji publishes A2C, not PPO (its jumanji/training/configs: 20-step rollouts, 64-128 envs, entropy
 # 0.01, lr 1e-4 to 3e-4, GAE lambda 0.95, gamma 0.997 to 1.0, and 10^8 steps and more): its rollout
 # length and entropy bonus here, in a CPU's batch and budget and PPO's update.
@@ -568,6 +598,10 @@ def default_config(env_id: str, **fields) -> Config:
         overrides = XMINIGRID
     elif env_id.startswith(JUMANJI_PREFIX):
         overrides = JUMANJI
+    elif env_id.startswith(PLAYGROUND_PREFIX):
+        overrides = PLAYGROUND
+    elif env_id.startswith(CRAFTAX_PREFIX):
+        overrides = CRAFTAX
     elif env_id.endswith("-MinAtar"):
         overrides = MINATAR
     else:
@@ -1611,6 +1645,9 @@ class VecEnv:
         self.own_step = type(self.env).step is not GymnaxEnvironment.step
         self.episode_metrics = getattr(self.env, "episode_metrics", ())  # info entries reported where episodes end
         self.action_mask_size = getattr(self.env, "action_mask_size", 0)  # the obs's last columns: 1 = a legal action
+        # Lazy resets from a pool (Craftax's optimistic resets): each block of reset_ratio envs shares one fresh
+        # start per step, so a step builds num_envs / reset_ratio worlds; blocks lie within a device's envs.
+        self.reset_ratio = math.gcd(int(getattr(self.env_params, "reset_ratio", 1)), num_envs)
 
     def _flat(self, obs):  # [..., *obs_shape] -> [..., obs_dim] float32
         batch_shape = obs.shape[:obs.ndim - len(self.obs_shape)]
@@ -1622,6 +1659,12 @@ class VecEnv:
             reset = jax.vmap(reset)
         obs, env_state = reset(keys)
         return self._flat(obs), env_state
+
+    def _fresh(self, keys):  # lazy resets: keys [N] -> fresh starts for the N envs, one per block of reset_ratio
+        if self.reset_ratio == 1:
+            return self._reset(keys)
+        pool = self._reset(keys[::self.reset_ratio])
+        return jax.tree.map(lambda x: jnp.repeat(x, self.reset_ratio, axis=0), pool)
 
     def gather(self, x, axis: int = 1):
         """Every device's part of x, whose `axis` runs over this device's envs: all num_envs x shards
@@ -1679,7 +1722,7 @@ class VecEnv:
         if not self.own_step:  # where an episode ended, continue from the drawn fresh start
             select = jax.vmap(lambda d, fresh, old: jax.tree.map(lambda a, b: jax.lax.select(d, a, b), fresh, old))
             if self.lazy_resets:  # reset only on steps where some episode ended (under vmap: always)
-                reset_ended = lambda: select(done, self._reset(resets), (obs, env_state))  # noqa: E731
+                reset_ended = lambda: select(done, self._fresh(resets), (obs, env_state))  # noqa: E731
                 obs, env_state = jax.lax.cond(jnp.any(done), reset_ended, lambda: (obs, env_state))
             else:
                 obs, env_state = select(done, resets, (obs, env_state))
@@ -1737,14 +1780,18 @@ class BraxEnv(GymnaxEnvironment):
     def default_params(self) -> BraxEnvParams:
         return BraxEnvParams()
 
+    @staticmethod
+    def policy_obs(obs):  # the suite's observation -> what the policy sees
+        return obs
+
     def reset_env(self, key, params):
         state = self.brax_env.reset(key)
-        return state.obs, BraxEnvState(brax=state, time=jnp.zeros((), jnp.int32))
+        return self.policy_obs(state.obs), BraxEnvState(brax=state, time=jnp.zeros((), jnp.int32))
 
     def step_env(self, key, state, action, params):
         brax_state = self.brax_env.step(state.brax, action)
         next_state = BraxEnvState(brax=brax_state, time=state.time + 1)
-        return brax_state.obs, next_state, brax_state.reward, brax_state.done > 0.5, {}
+        return self.policy_obs(brax_state.obs), next_state, brax_state.reward, brax_state.done > 0.5, {}
 
     @property
     def name(self) -> str:
@@ -1770,6 +1817,67 @@ def brax_names() -> list[str]:
     from brax import envs as brax_envs
 
     return sorted(brax_envs._envs)  # Brax's registry has no public listing
+
+
+# A MuJoCo Playground env (the playground package: --env playground:CartpoleBalance), which speaks Brax's
+# interface: BraxEnv with the suite's own registry. playground is imported only here, only when asked for.
+PLAYGROUND_PREFIX = "playground:"
+
+
+PLAYGROUND_IMPLS = ("jax", "warp")
+
+
+PLAYGROUND_INSTALL = "pip install -r requirements-playground.txt"
+
+
+@struct.dataclass
+class PlaygroundParams(GymnaxEnvParams):
+    max_steps_in_episode: int = 0  # the time limit; make_gymnax sets the suite's own episode_length (1000)
+    impl: str = struct.field(pytree_node=False, default="jax")  # MJX's: jax (any device) or warp (CUDA GPUs)
+
+
+class PlaygroundEnv(BraxEnv):
+    """A MuJoCo Playground env through BraxEnv: the suite's `done` is the termination (a fall; a NaN in
+    the physics), its episode_length gymnax's time limit (truncation: it bootstraps), resets VecEnv's,
+    actions in [-1, 1]. The DM Control Suite tasks observe one vector; where an env's observation is a
+    dict (locomotion's actor and critic views), the policy gets its "state" entry."""
+
+    def __init__(self, name: str, impl: str):
+        GymnaxEnvironment.__init__(self)
+        self.brax_name = name
+        self.brax_env, self.episode_length = playground_environment(name, impl)
+
+    @property
+    def default_params(self) -> PlaygroundParams:
+        return PlaygroundParams(max_steps_in_episode=self.episode_length)
+
+    @staticmethod
+    def policy_obs(obs):
+        return obs["state"] if isinstance(obs, dict) else obs
+
+    @property
+    def name(self) -> str:
+        return PLAYGROUND_PREFIX + self.brax_name
+
+    def observation_space(self, params):
+        size = self.brax_env.observation_size
+        shape = tuple(size["state"]) if isinstance(size, dict) else (size,)
+        return spaces.Box(-jnp.inf, jnp.inf, shape, jnp.float32)
+
+
+@functools.cache
+def playground_environment(name: str, impl: str):
+    """(the suite's env, its episode_length), built once per process."""
+    from mujoco_playground import registry  # the optional dependency
+
+    env = registry.load(name, config_overrides={"impl": impl})
+    return env, int(registry.get_default_config(name).episode_length)
+
+
+def playground_names() -> list[str]:
+    from mujoco_playground import registry
+
+    return sorted(registry.ALL_ENVS)
 
 
 # An XLand-MiniGrid env (the xminigrid package: --env xminigrid:MiniGrid-Empty-8x8) seen through gymnax's
@@ -1965,6 +2073,94 @@ def check_jumanji_env(env_id: str) -> None:
     if env.mask_shape is not None and env.mask_shape not in ((int(np.prod(env.num_values)),), env.num_values):
         raise ConfigError(f"--env {env_id}: its action mask has shape {env.mask_shape}, not one entry per action "
                           f"{env.num_values} (a per-agent mask: not supported yet): use another Jumanji env")
+
+
+# A Craftax env (the craftax package: --env craftax:Craftax-Classic-Symbolic-v1) seen through gymnax's
+# interface. craftax is imported only here, only when asked for.
+CRAFTAX_PREFIX = "craftax:"
+
+
+CRAFTAX_INSTALL = "pip install -r requirements-craftax.txt"
+
+
+CRAFTAX_NAMES = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craftax-Symbolic-v1", "Craftax-Pixels-v1")
+
+
+@struct.dataclass
+class CraftaxParams(GymnaxEnvParams):
+    max_steps_in_episode: int = 0  # the time limit; make_gymnax sets the suite's own (10,000 Classic, 100,000 Craftax)
+    reset_ratio: int = struct.field(pytree_node=False, default=16)  # envs per fresh world drawn at a step (VecEnv)
+
+
+@struct.dataclass
+class CraftaxState(GymnaxEnvState):  # and gymnax's `time`: the suite's timestep
+    suite: Any  # Craftax's EnvState: the world, the player, its achievements
+
+
+class CraftaxEnv(GymnaxEnvironment):
+    """A Craftax env, stepped by its own reset_env(key, params) and step_env(key, state, action, params)
+    (its NoAutoReset env: resets are VecEnv's, so the final observation is kept). The suite's game over
+    is death, lava or (Craftax) the boss beaten, or its time limit: here the first three terminate and
+    the limit is gymnax's (state.time = the suite's timestep >= max_steps_in_episode: truncation, so it
+    bootstraps). The reward is the suite's (achievements unlocked, health gained or lost / 10). Symbolic
+    observations are the suite's flat vector (the map one-hot, then the inventory) for the MLP, as its
+    baselines take them; pixel observations an image for --torso cnn. Every episode reports which of the
+    suite's achievements it unlocked (`achievement_<name>`, 0 or 1: their means are the success rates of
+    the Craftax paper) and how many (`achievements`). A fresh world costs many steps' worth of compute, so
+    VecEnv resets lazily and from a pool (reset_ratio: Craftax's baselines' optimistic resets)."""
+
+    lazy_resets = True
+
+    def __init__(self, name: str):
+        super().__init__()
+        from craftax.craftax_env import make_craftax_env_from_name  # the optional dependency
+
+        self.craftax_name = name
+        self.craftax_env = make_craftax_env_from_name(name, auto_reset=False)
+        if "Classic" in name:
+            from craftax.craftax_classic.constants import Achievement
+        else:
+            from craftax.craftax.constants import Achievement
+        self.achievement_names = tuple(a.name.lower() for a in sorted(Achievement, key=lambda a: a.value))
+        self.episode_metrics = ("achievements", *(f"achievement_{a}" for a in self.achievement_names))
+
+    def suite_params(self, params: CraftaxParams, limit=None):
+        limit = params.max_steps_in_episode if limit is None else limit
+        return self.craftax_env.default_params.replace(max_timesteps=limit)
+
+    @property
+    def default_params(self) -> CraftaxParams:
+        return CraftaxParams(max_steps_in_episode=int(self.craftax_env.default_params.max_timesteps))
+
+    def reset_env(self, key, params):
+        obs, suite = self.craftax_env.reset_env(key, self.suite_params(params))
+        return obs, CraftaxState(suite=suite, time=suite.timestep)
+
+    def step_env(self, key, state, action, params):
+        obs, suite, reward, _, _ = self.craftax_env.step_env(key, state.suite, action, self.suite_params(params))
+        # The suite's game over without its time limit (gymnax's, is_truncated): death, lava, the boss.
+        terminated = self.craftax_env.is_terminal(suite, self.suite_params(params, jnp.iinfo(jnp.int32).max))
+        unlocked = suite.achievements.astype(jnp.float32)
+        info = {"achievements": unlocked.sum(),
+                **{f"achievement_{name}": unlocked[i] for i, name in enumerate(self.achievement_names)}}
+        return obs, CraftaxState(suite=suite, time=suite.timestep), reward, terminated, info
+
+    @property
+    def name(self) -> str:
+        return CRAFTAX_PREFIX + self.craftax_name
+
+    def action_space(self, params=None):
+        return spaces.Discrete(int(self.craftax_env.num_actions))
+
+    def observation_space(self, params):
+        return spaces.Box(0.0, 1.0, tuple(self.craftax_env.observation_space(self.suite_params(params)).shape),
+                          jnp.float32)
+
+
+def craftax_names() -> list[str]:
+    import craftax  # noqa: F401  (the ids are the suite's make_craftax_env_from_name's; this checks it is there)
+
+    return list(CRAFTAX_NAMES)
 
 
 # RLHF in miniature (README, "RLHF in miniature"): a response of `length` tokens from a vocabulary
@@ -2171,6 +2367,13 @@ def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
     if env_id.startswith(JUMANJI_PREFIX):
         env = JumanjiEnv(env_id[len(JUMANJI_PREFIX):])
         return env, override_env_params(env.default_params, overrides)
+    if env_id.startswith(CRAFTAX_PREFIX):
+        env = CraftaxEnv(env_id[len(CRAFTAX_PREFIX):])
+        return env, override_env_params(env.default_params, overrides)
+    if env_id.startswith(PLAYGROUND_PREFIX):
+        impl = override_env_params(PlaygroundParams(max_steps_in_episode=1), overrides).impl
+        env = PlaygroundEnv(env_id[len(PLAYGROUND_PREFIX):], impl)
+        return env, override_env_params(env.default_params.replace(impl=impl), overrides)
     if env_id == TOY_RLHF:
         return ToyRLHF(), toy_rlhf_params(tuple(overrides))
     env, params = gymnax.make(env_id)
@@ -2235,11 +2438,25 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
     elif env_id.startswith(JUMANJI_PREFIX):
         check_suite_id(env_id, JUMANJI_PREFIX, jumanji_names, "jumanji", JUMANJI_INSTALL)
         check_jumanji_env(env_id)
+    elif env_id.startswith(PLAYGROUND_PREFIX):
+        check_suite_id(env_id, PLAYGROUND_PREFIX, playground_names, "playground", PLAYGROUND_INSTALL)
+        impl = override_env_params(PlaygroundParams(max_steps_in_episode=1), overrides).impl
+        if impl not in PLAYGROUND_IMPLS:
+            raise ConfigError(f"--env-params impl={impl}: MuJoCo Playground's implementations are {', '.join(PLAYGROUND_IMPLS)}")
+        try:
+            playground_environment(env_id[len(PLAYGROUND_PREFIX):], impl)
+        except Exception as error:  # e.g. the locomotion robots' assets, cloned from mujoco_menagerie on first use
+            raise ConfigError(f"--env {env_id}: MuJoCo Playground could not make it ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:200] if str(error) else ''}): use another Playground env") from None
+    elif env_id.startswith(CRAFTAX_PREFIX):
+        check_suite_id(env_id, CRAFTAX_PREFIX, craftax_names, "craftax", CRAFTAX_INSTALL)
+        if override_env_params(CraftaxParams(max_steps_in_episode=1), overrides).reset_ratio < 1:
+            raise ConfigError("--env-params reset_ratio: give a positive number of envs per fresh world (1: a world each)")
     elif env_id == TOY_RLHF:
         toy_rlhf_params(tuple(overrides))
     elif env_id not in gymnax.registered_envs:
         close = difflib.get_close_matches(env_id, [*gymnax.registered_envs, TOY_RLHF], n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, brax:NAME, xminigrid:NAME or jumanji:NAME"
+        hint = f"did you mean {', '.join(close)}?" if close else "see gymnax.registered_envs, brax:NAME, xminigrid:NAME, jumanji:NAME, craftax:NAME or playground:NAME"
         raise ConfigError(f"--env {env_id!r} is not a gymnax environment: {hint}")
 
 
@@ -4082,19 +4299,18 @@ def save_checkpoint(run_dir: str, config: Config, checkpoint: Checkpoint) -> Non
     write_atomically(os.path.join(run_dir, CHECKPOINT), serialization.msgpack_serialize(data))
 
 
-def flat_adam_moments_as_trees(found: dict[str, Any], template: TrainState) -> dict[str, Any]:
+def flat_adam_moments_as_trees(found: dict[tuple, Any], template: TrainState) -> dict[tuple, Any]:
     """A checkpoint of OLD_CHECKPOINT_FORMAT, whose optimizer stepped one raveled parameter vector,
     in today's layout: Adam's moments [seeds, P] cut into the params' leaves (ravel_pytree's order)."""
     found = dict(found)
     leaves = jax.tree_util.tree_leaves_with_path(serialization.to_state_dict(template.params))
     ends = np.cumsum([math.prod(leaf.shape[1:]) for _, leaf in leaves])
     for moment in ("mu", "nu"):
-        flat = found.pop(f"opt_state/1/{moment}", None)
+        flat = found.pop(("opt_state", "1", moment), None)
         if not isinstance(flat, np.ndarray) or flat.ndim != 2:
             continue
         for (path, leaf), part in zip(leaves, np.split(flat, ends[:-1], axis=1)):
-            name = "/".join(str(k.key) for k in path)
-            found[f"opt_state/1/{moment}/{name}"] = part.reshape(leaf.shape)
+            found[("opt_state", "1", moment, *(str(k.key) for k in path))] = part.reshape(leaf.shape)
     return found
 
 
@@ -4131,9 +4347,10 @@ def load_checkpoint(run_dir: str, config: Config, keys=None, where: str | None =
                               f"says {expected[name]}: restore config.json, or start a new run")
     template = abstract_train_state(config, keys)
     teach_serialization(template)
-    want = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), keep_empty_nodes=True, sep="/")
+    # Paths as tuples of keys, not joined strings: a suite's dict keys may hold "/" (Playground's "reward/upright").
+    want = flax.traverse_util.flatten_dict(serialization.to_state_dict(template), keep_empty_nodes=True)
     state = data["state"]
-    found = flax.traverse_util.flatten_dict(state, keep_empty_nodes=True, sep="/") if isinstance(state, dict) else {}
+    found = flax.traverse_util.flatten_dict(state, keep_empty_nodes=True) if isinstance(state, dict) else {}
     if data["format"] == OLD_CHECKPOINT_FORMAT:
         found = flat_adam_moments_as_trees(found, template)
     empty = flax.traverse_util.empty_node  # a field or state without leaves (optax's EmptyState)
@@ -4142,7 +4359,7 @@ def load_checkpoint(run_dir: str, config: Config, keys=None, where: str | None =
     if missing:  # written before these TrainState fields existed: their initial values (rule 4)
         init, _ = make_train_parts(config)
         fresh = jax.jit(jax.vmap(init, in_axes=(0, None)))(keys, config.hparams)
-        fresh = flax.traverse_util.flatten_dict(serialization.to_state_dict(jax.device_get(fresh)), sep="/")
+        fresh = flax.traverse_util.flatten_dict(serialization.to_state_dict(jax.device_get(fresh)))
         found.update({name: np.asarray(fresh[name]) for name in missing})
     for name, leaf in want.items():
         value = found.get(name)
@@ -4151,9 +4368,9 @@ def load_checkpoint(run_dir: str, config: Config, keys=None, where: str | None =
             continue
         if not isinstance(value, np.ndarray) or value.shape != leaf.shape or value.dtype != leaf.dtype:
             got = "nothing" if value is None else f"{np.shape(value)} {getattr(value, 'dtype', type(value).__name__)}"
-            raise ConfigError(f"{where}: checkpoint entry state/{name} is {got}, this config needs {leaf.shape} "
+            raise ConfigError(f"{where}: checkpoint entry state/{'/'.join(name)} is {got}, this config needs {leaf.shape} "
                               f"{leaf.dtype}: the checkpoint does not belong to this config")
-    state = serialization.from_state_dict(template, flax.traverse_util.unflatten_dict(found, sep="/"))
+    state = serialization.from_state_dict(template, flax.traverse_util.unflatten_dict(found))
     checkpoint = Checkpoint(state, data["metrics"])
     shapes = {np.shape(value) for value in checkpoint.metrics.values()}
     if shapes != {(len(keys), checkpoint.updates_done)}:

@@ -2176,15 +2176,20 @@ def test_brax_adapter_flags_truncation_and_termination_and_keeps_the_final_obser
     assert seen["terminated"] >= 3 and seen["truncated"] >= 3, seen
 
 
-@pytest.mark.parametrize("backend", ["generalized", "positional", "spring", "mjx"])
-def test_every_brax_backends_state_goes_through_a_checkpoint_unchanged(tmp_path, backend):
-    """A TrainState of brax:inverted_pendulum on each backend (MJX's physics state is a class flax's
-    serialization does not know), filled with random values, written by save_checkpoint and read back
-    by load_checkpoint: every leaf and the tree's structure unchanged (nothing compiled: the state's
-    shapes are traced). A resumed run continues from exactly that state."""
-    pytest.importorskip("brax")
-    config = P.default_config("brax:inverted_pendulum", num_envs=4, num_steps=8, total_timesteps=4 * 8 * 3,
-                              env_params=(f"backend={backend}",))
+@pytest.mark.parametrize("env_id, backend", [("brax:inverted_pendulum", "backend=generalized"),
+                                             ("brax:inverted_pendulum", "backend=positional"),
+                                             ("brax:inverted_pendulum", "backend=spring"),
+                                             ("brax:inverted_pendulum", "backend=mjx"),
+                                             ("playground:CartpoleBalance", "impl=jax")])
+def test_every_brax_backends_state_goes_through_a_checkpoint_unchanged(tmp_path, env_id, backend):
+    """A TrainState of brax:inverted_pendulum on each backend, and of MuJoCo Playground's CartpoleBalance
+    (MJX's physics state is a class flax's serialization does not know), filled with random values,
+    written by save_checkpoint and read back by load_checkpoint: every leaf and the tree's structure
+    unchanged (nothing compiled: the state's shapes are traced). A resumed run continues from exactly
+    that state."""
+    pytest.importorskip("brax" if env_id.startswith("brax:") else "mujoco_playground")
+    config = P.default_config(env_id, num_envs=4, num_steps=8, total_timesteps=4 * 8 * 3, update_epochs=1,
+                              num_minibatches=1, env_params=(backend,))
     template = P.abstract_train_state(config)
     rng = np.random.default_rng(0)
     state = jax.tree.map(lambda leaf: (rng.normal(size=leaf.shape) * 100).astype(leaf.dtype), template)
@@ -2231,6 +2236,172 @@ def check_suite_front_door(tmp_path, capsys, monkeypatch, env_id: str, listed: s
         P.check_env_id(env_id)
     monkeypatch.chdir(tmp_path)
     assert P.new_run_dir(None, env_id, "config.json", "{}").startswith(os.path.join("runs", env_id.replace(":", "_") + "-"))
+
+
+def test_playground_adapter_steps_as_the_suite_does_across_limits_and_a_failed_physics(tmp_path, capsys, monkeypatch):
+    """playground:CartpoleBalance (MJX's jax implementation) with a 12-step limit, pushed at random: every
+    transition is the suite's own step(state, action) from the same state (its reward and observation;
+    its done, a NaN in the physics, here from a NaN action given to two envs once, is terminated; the
+    limit truncated), and where an episode ended the env continues from the suite's reset with the
+    step's reset key. Bad ids and implementations, a missing suite: one line each; --env playground:
+    lists the ids; the suite's default time limit is its episode_length; no colon in the run directory."""
+    pytest.importorskip("mujoco_playground")
+    num_envs, limit = 4, 12
+    env = P.VecEnv("playground:CartpoleBalance", num_envs, env_params=[f"max_steps_in_episode={limit}"])
+    assert env.lazy_resets and env.episode_limit() == limit and not env.discrete and env.obs_dim == 5
+    assert P.VecEnv("playground:CartpoleBalance", 1).episode_limit() == 1000
+    suite, broken = env.env.brax_env, (jnp.arange(num_envs) < 2)[:, None]
+
+    @jax.jit
+    def steps(key):  # 30 steps: VecEnv's outputs, and the suite's own step and reset for comparison
+        def step(state, inputs):
+            key, t = inputs
+            action_key, step_key, reset_key = jax.random.split(key, 3)
+            action = jax.random.uniform(action_key, (num_envs, 1), minval=-1.0, maxval=1.0)
+            action = jnp.where(broken & (t == 5), jnp.nan, action)
+            reset_keys = env.draw_resets(reset_key, 1)[0]
+            suite_next = jax.vmap(suite.step)(state.env_state.brax, action)
+            fresh = jax.vmap(suite.reset)(reset_keys).obs
+            next_obs, state, reward, terminated, truncated, info = env.step(
+                jax.random.split(step_key, num_envs), state, action, reset_keys)
+            return state, (next_obs, reward, terminated, truncated, info, suite_next, fresh)
+
+        return jax.lax.scan(step, env.reset(key)[1], (jax.random.split(key, 30), jnp.arange(30)))[1]
+
+    lengths, seen = np.zeros(num_envs, int), {"terminated": 0, "truncated": 0}
+    outputs = jax.device_get(steps(jax.random.PRNGKey(0)))
+    for t in range(30):
+        next_obs, reward, terminated, truncated, info, suite_next, fresh = jax.tree.map(lambda x: x[t], outputs)
+        np.testing.assert_array_equal(info["final_observation"], suite_next.obs)
+        np.testing.assert_array_equal(reward, suite_next.reward)
+        np.testing.assert_array_equal(terminated, suite_next.done > 0.5)
+        np.testing.assert_array_equal(terminated, (t == 5) & np.asarray(broken[:, 0]))
+        lengths += 1
+        for n in range(num_envs):
+            if terminated[n] or truncated[n]:
+                seen["terminated" if terminated[n] else "truncated"] += 1
+                assert int(info["episode_length"][n]) == lengths[n] and (terminated[n] or lengths[n] == limit)
+                np.testing.assert_array_equal(next_obs[n], fresh[n])
+                lengths[n] = 0
+            else:
+                np.testing.assert_array_equal(next_obs[n], suite_next.obs[n])
+    assert seen["terminated"] == 2 and seen["truncated"] >= 4, seen
+
+    check_suite_front_door(tmp_path, capsys, monkeypatch, "playground:CartpoleBalance", "playground:WalkerWalk",
+                           "playground_names", (
+                               ("playground:Cartpole", (), "did you mean playground:CartpoleSwingup"),
+                               ("playground:", (), "give an env name; it has playground:AcrobotSwingup, "),
+                               ("playground:CartpoleBalance", ("impl=cuda",), "implementations are jax, warp")))
+
+
+def test_playground_learns_cartpole_balance_and_resumes_bit_identically(tmp_path):
+    """--env playground:CartpoleBalance at its defaults, its episodes cut to 200 steps (a reward <= 1 per
+    step: 200 is the most), on a short budget: both seeds balance the pole to within 5 % of the most,
+    far above a random policy. Sent SIGTERM after a chunk and resumed (MJX's physics state in the
+    checkpoint), the run ends with the metrics.csv, params and checkpoint of the run never stopped."""
+    pytest.importorskip("mujoco_playground")
+    argv = ["--env", "playground:CartpoleBalance", "--env-params", "max_steps_in_episode=200", "--num-seeds", "2",
+            "--total-timesteps", str(64 * 30 * 120), "--checkpoint-every", "30", "--table-rows", "0"]
+    finals, random_return = learns_and_resumes(tmp_path, argv, "update 30/120")
+    print(f"playground:CartpoleBalance (200 steps) final return per seed {finals}, random policy {random_return:.1f}")
+    assert np.all(finals >= 190) and random_return < 150, (finals, random_return)
+
+
+def test_craftax_adapter_steps_as_the_suite_does_across_deaths_limits_and_its_reset_pool(tmp_path, capsys, monkeypatch):
+    """craftax:Craftax-Classic-Symbolic-v1 with a 12-step limit and a reset pool of one world per 2 envs,
+    acting at random: every transition is the suite's own step_env(key, state, action, params) from the
+    same state and key (observation, reward; its game over without the time limit, here two deaths made
+    by zeroing two players' health once, is terminated; the limit truncated); where an episode ended the
+    env continues from the suite's reset_env with its block's reset key, so two envs of a block that end
+    together share a world; every ended episode reports the suite's achievements, each and their count.
+    Bad ids and reset ratios, a missing suite: one line each; --env craftax: lists the ids; the suite's
+    default time limit is its max_timesteps; no colon in the run directory."""
+    pytest.importorskip("craftax")
+    num_envs, limit, ratio = 4, 12, 2
+    env = P.VecEnv("craftax:Craftax-Classic-Symbolic-v1", num_envs,
+                   env_params=[f"max_steps_in_episode={limit}", f"reset_ratio={ratio}"])
+    assert env.lazy_resets and env.reset_ratio == ratio and env.episode_limit() == limit
+    assert env.discrete and env.action_dim == 17 and env.obs_dim == 1345
+    assert P.VecEnv("craftax:Craftax-Classic-Symbolic-v1", 1).episode_limit() == 10_000
+    suite = env.env.craftax_env
+    no_limit = suite.default_params.replace(max_timesteps=10**9)
+    doomed = jnp.array([True, True, False, False])  # the first block: its two envs end together
+
+    @jax.jit
+    def steps(key):  # 30 steps: VecEnv's outputs, and the suite's own step and reset for comparison
+        def step(state, inputs):
+            key, t = inputs
+            action_key, step_key, reset_key = jax.random.split(key, 3)
+            action = jax.random.randint(action_key, (num_envs,), 0, 17)
+            suite_state = state.env_state.suite
+            health = jnp.where(doomed & (t == 5), 0.0, suite_state.player_health).astype(suite_state.player_health.dtype)
+            state = state.replace(env_state=state.env_state.replace(suite=suite_state.replace(player_health=health)))
+            step_keys = jax.random.split(step_key, num_envs)
+            reset_keys = env.draw_resets(reset_key, 1)[0]
+            suite_obs, suite_next, suite_reward, _, _ = jax.vmap(suite.step_env, in_axes=(0, 0, 0, None))(
+                step_keys, state.env_state.suite, action, no_limit)
+            suite_over = jax.vmap(suite.is_terminal, in_axes=(0, None))(suite_next, no_limit)
+            fresh = jax.vmap(suite.reset_env, in_axes=(0, None))(reset_keys, no_limit)[0]
+            next_obs, state, reward, terminated, truncated, info = env.step(step_keys, state, action, reset_keys)
+            return state, (next_obs, reward, terminated, truncated, info, suite_obs, suite_reward, suite_over,
+                           suite_next.achievements, fresh)
+
+        return jax.lax.scan(step, env.reset(key)[1], (jax.random.split(key, 30), jnp.arange(30)))[1]
+
+    lengths, seen = np.zeros(num_envs, int), {"terminated": 0, "truncated": 0, "shared": 0}
+    outputs = jax.device_get(steps(jax.random.PRNGKey(0)))
+    for t in range(30):
+        (next_obs, reward, terminated, truncated, info, suite_obs, suite_reward, suite_over, achievements,
+         fresh) = jax.tree.map(lambda x: x[t], outputs)
+        np.testing.assert_array_equal(info["final_observation"], suite_obs)
+        np.testing.assert_array_equal(reward, suite_reward)
+        np.testing.assert_array_equal(terminated, suite_over)
+        np.testing.assert_array_equal(terminated, (t == 5) & np.asarray(doomed))
+        lengths += 1
+        ended = terminated | truncated
+        for n in range(num_envs):
+            if ended[n]:
+                seen["terminated" if terminated[n] else "truncated"] += 1
+                assert int(info["episode_length"][n]) == lengths[n] and (terminated[n] or lengths[n] == limit)
+                np.testing.assert_array_equal(next_obs[n], fresh[n - n % ratio])  # the block's world
+                metrics = info["episode_metrics"]
+                for i, name in enumerate(env.env.achievement_names):
+                    assert metrics[f"achievement_{name}"][n] == achievements[n, i]
+                assert metrics["achievements"][n] == achievements[n].sum()
+                lengths[n] = 0
+            else:
+                np.testing.assert_array_equal(next_obs[n], suite_obs[n])
+        seen["shared"] += sum(bool(ended[n] and ended[n + 1]) for n in range(0, num_envs, ratio))
+    assert seen["terminated"] == 2 and seen["truncated"] >= 4 and seen["shared"] >= 2, seen
+
+    check_suite_front_door(tmp_path, capsys, monkeypatch, "craftax:Craftax-Classic-Symbolic-v1",
+                           "craftax:Craftax-Symbolic-v1", "craftax_names", (
+                               ("craftax:Craftax-Classic", (), "did you mean craftax:Craftax-Classic-"),
+                               ("craftax:", (), "give an env name; it has craftax:Craftax-Classic-Symbolic-v1, "),
+                               ("craftax:Craftax-Classic-Symbolic-v1", ("reset_ratio=0",),
+                                "reset_ratio: give a positive number of envs per fresh world")))
+
+
+def test_craftax_trains_reports_achievements_and_resumes_bit_identically(tmp_path):
+    """--env craftax:Craftax-Classic-Symbolic-v1 on a tiny budget and network (its learning is in
+    docs/results.md: a CPU's minutes), 100-step episodes: metrics.csv has every achievement's success rate
+    (in [0, 1], their sum the mean count per episode) and the run is finite. Sent SIGTERM after a chunk
+    and resumed (the worlds in the checkpoint), it ends with the metrics.csv, params and checkpoint of the
+    run never stopped, byte for byte."""
+    pytest.importorskip("craftax")
+    argv = ["--env", "craftax:Craftax-Classic-Symbolic-v1", "--env-params", "max_steps_in_episode=100",
+            "--num-envs", "16", "--num-steps", "32", "--hidden-sizes", "32", "--num-seeds", "2",
+            "--total-timesteps", str(16 * 32 * 12), "--checkpoint-every", "3", "--table-rows", "0"]
+    finals, random_return = learns_and_resumes(tmp_path, argv, "update 3/12")
+    assert np.all(np.isfinite(finals)) and np.isfinite(random_return), (finals, random_return)
+    with open(tmp_path / "whole" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if float(row["episodes"]) > 0]
+    names = [name for name in rows[0] if name.startswith("achievement_")]
+    assert len(names) == 22 and rows, names
+    for row in rows:
+        rates = np.array([float(row[name]) for name in names])
+        assert np.all((rates >= 0) & (rates <= 1)), row
+        np.testing.assert_allclose(rates.sum(), float(row["achievements"]), rtol=1e-5)
 
 
 def test_xminigrid_adapter_steps_as_the_suite_does_across_goals_and_time_limits(tmp_path, capsys, monkeypatch):
