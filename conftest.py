@@ -36,6 +36,10 @@ LONGEST_FIRST = (  # the tests that took over 20 s on 2 cores (pytest --duration
     "test_every_brax_backends_state_goes_through_a_checkpoint_unchanged",
     "test_jumanji_tetris_learns_through_its_mask_and_resumes_bit_identically",
     "test_xminigrid_learns_empty_and_resumes_bit_identically",
+    "test_craftax_trains_reports_achievements_and_resumes_bit_identically",
+    "test_playground_learns_cartpole_balance_and_resumes_bit_identically",
+    "test_craftax_adapter_steps_as_the_suite_does_across_deaths_limits_and_its_reset_pool",
+    "test_jumanji_multi_agent_actions_are_factorised_under_each_agents_mask",
 )
 
 

@@ -642,33 +642,54 @@ def masked_logits(logits, legal):
 
 @struct.dataclass
 class Categorical:
-    logits: jax.Array  # [..., num_actions]
+    """A categorical over actions; with `nvec`, a factorised one over a multi-discrete action: one
+    categorical per component over its own slice of the logits, independent given the state, so the
+    action is [..., K] and its log-probability, entropy and KL are sums over the components."""
+
+    logits: jax.Array  # [..., num_actions] (factorised: [..., sum(nvec)])
+    nvec: tuple[int, ...] = struct.field(pytree_node=False, default=())  # the components' sizes; (): one categorical
+
+    def parts(self, x):  # [..., sum(nvec)] -> each component's slice (one categorical: x itself)
+        if not self.nvec:
+            return [x]
+        ends = np.cumsum(self.nvec)
+        return [x[..., end - n:end] for n, end in zip(self.nvec, ends)]
+
+    def per_component(self, values):  # each component's [...] -> the action's [...] (factorised: [..., K])
+        return jnp.stack(values, axis=-1) if self.nvec else values[0]
 
     @staticmethod
     def noise(key, shape):  # standard Gumbel noise
         return jax.random.gumbel(key, shape)
 
     def sample_from(self, noise):  # the Gumbel-max trick: argmax(logits + Gumbel noise)
-        return jnp.argmax(self.logits + noise, axis=-1).astype(jnp.int32)
+        return self.per_component([jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
+                                   for logits, gumbel in zip(self.parts(self.logits), self.parts(noise))])
 
     def sample(self, key):
         return self.sample_from(self.noise(key, self.logits.shape))
 
     def mode(self):
-        return jnp.argmax(self.logits, axis=-1).astype(jnp.int32)
+        return self.per_component([jnp.argmax(logits, axis=-1).astype(jnp.int32) for logits in self.parts(self.logits)])
 
     def log_prob(self, action):
-        log_p = jax.nn.log_softmax(self.logits)
-        return jnp.take_along_axis(log_p, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        actions = [action[..., k] for k in range(len(self.nvec))] if self.nvec else [action]
+        return summed(jnp.take_along_axis(jax.nn.log_softmax(logits), a[..., None].astype(jnp.int32), axis=-1)[..., 0]
+                      for logits, a in zip(self.parts(self.logits), actions))
 
     def entropy(self):
-        log_p = jax.nn.log_softmax(self.logits)
-        return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+        log_ps = map(jax.nn.log_softmax, self.parts(self.logits))
+        return summed(-jnp.sum(jnp.exp(log_p) * log_p, axis=-1) for log_p in log_ps)
 
     def kl(self, other: Categorical):
-        """KL[self || other] = sum_a p(a) (log p(a) - log q(a))."""
-        log_p, log_q = jax.nn.log_softmax(self.logits), jax.nn.log_softmax(other.logits)
-        return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+        """KL[self || other] = sum_a p(a) (log p(a) - log q(a)) (factorised: summed over the components)."""
+        log_ps = map(jax.nn.log_softmax, self.parts(self.logits))
+        log_qs = map(jax.nn.log_softmax, self.parts(other.logits))
+        return summed(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1) for log_p, log_q in zip(log_ps, log_qs))
+
+
+def summed(terms):  # the components' terms added (one component: its term as it is)
+    return functools.reduce(jnp.add, terms)
 
 
 @struct.dataclass
@@ -728,6 +749,7 @@ class ActorCritic(nn.Module):
     recurrent_size: int = 0  # > 0: a GRU of this many units after the torso
     critic: bool = True  # False: no critic trunk or value head (the values are zeros)
     action_mask: bool = False  # the obs's last action_dim columns say which actions are legal (1) (discrete)
+    action_nvec: tuple[int, ...] = ()  # a multi-discrete action's components: a factorised Categorical (discrete)
 
     @nn.compact
     def __call__(self, obs, first=None, hidden=None):  # -> (hiddens, distribution over [...] actions, values [...])
@@ -765,7 +787,8 @@ class ActorCritic(nn.Module):
         else:
             values = jnp.zeros(policy_out.shape[:-1], jnp.float32)
         if self.discrete:
-            return hiddens, Categorical(masked_logits(policy_out, legal) if self.action_mask else policy_out), values
+            logits = masked_logits(policy_out, legal) if self.action_mask else policy_out
+            return hiddens, Categorical(logits, tuple(self.action_nvec)), values
         log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
         return hiddens, DiagGaussian(policy_out, jnp.broadcast_to(log_std, policy_out.shape)), values
 
@@ -1423,7 +1446,8 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
     return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation,
                        config.shared_trunk, image_shape=env.obs_shape if cnn else None,
                        recurrent_size=config.recurrent_size if config.recurrent == "gru" else 0,
-                       critic=config.adv_estimator == "gae", action_mask=env.action_mask_size > 0)
+                       critic=config.adv_estimator == "gae", action_mask=env.action_mask_size > 0,
+                       action_nvec=env.action_nvec)
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
@@ -1632,9 +1656,11 @@ class VecEnv:
         self.num_envs = num_envs  # the envs stepped here
         self.shards = shards
         action_space = self.env.action_space(self.env_params)
-        self.discrete = isinstance(action_space, spaces.Discrete)
+        # A Tuple of Discrete spaces is a multi-discrete action: a factorised Categorical, its logits side by side.
+        self.action_nvec = tuple(int(space.n) for space in getattr(action_space, "spaces", ()))
+        self.discrete = isinstance(action_space, spaces.Discrete) or bool(self.action_nvec)
         if self.discrete:
-            self.action_dim = int(action_space.n)
+            self.action_dim = sum(self.action_nvec) if self.action_nvec else int(action_space.n)
         else:
             self.action_shape = tuple(action_space.shape)
             self.action_dim = int(np.prod(self.action_shape))
@@ -1986,8 +2012,12 @@ class JumanjiEnv(GymnaxEnvironment):
     max_steps_in_episode). Observations: the suite's structured observation, each field but the mask
     flattened to float32 and concatenated in the suite's order; its `action_mask` goes last, raw
     (action_mask_size columns: the network masks its logits with them, Huang & Ontanon 2022, and
-    RunningStats leaves them unnormalised). A multi-discrete action (Tetris, BinPack, Minesweeper: their
-    masks are over the joint action) is one categorical over the product of its parts."""
+    RunningStats leaves them unnormalised). A multi-discrete action whose mask is over the joint action
+    (Tetris, BinPack, Minesweeper) is one categorical over the product of its parts (exact under that
+    mask); one whose mask is per component (the agents of Cleaner, RobotWarehouse, LevelBasedForaging,
+    Connector; JobShop's machines), or too many joint values, a factorised categorical (a Tuple action
+    space). A multi-agent env's per-agent rewards are summed (one policy, the team's reward), and its
+    episode ends with all its agents' (discount 0 for every agent: terminated)."""
 
     def __init__(self, name: str):
         super().__init__()
@@ -2003,6 +2033,8 @@ class JumanjiEnv(GymnaxEnvironment):
         mask = getattr(observation, "action_mask", None)
         self.action_mask_size = 0 if mask is None else int(np.prod(mask.shape))
         self.mask_shape = None if mask is None else tuple(mask.shape)
+        joint_mask = self.mask_shape in ((int(np.prod(self.num_values)),), self.num_values)
+        self.factorised = self.multi_discrete and not (joint_mask or (mask is None and np.prod(self.num_values) <= JUMANJI_MAX_ACTIONS))
 
     @staticmethod
     def features(observation):  # every field of the suite's observation but its action mask
@@ -2016,8 +2048,8 @@ class JumanjiEnv(GymnaxEnvironment):
             parts.append(jnp.ravel(observation.action_mask).astype(jnp.float32))
         return jnp.concatenate(parts)
 
-    def decode(self, action):  # our action index -> the suite's action (multi-discrete: its parts)
-        if not self.multi_discrete:
+    def decode(self, action):  # our action -> the suite's (joint multi-discrete: its parts; factorised: as is)
+        if not self.multi_discrete or self.factorised:
             return action
         return jnp.stack(jnp.unravel_index(action, self.num_values)).astype(jnp.int32)
 
@@ -2033,8 +2065,9 @@ class JumanjiEnv(GymnaxEnvironment):
     def step_env(self, key, state, action, params):
         suite, timestep = self.jumanji_env.step(state.suite, self.decode(action))
         last = timestep.last()
-        next_state = JumanjiState(suite=suite, time=state.time + 1, suite_truncated=last & (timestep.discount > 0))
-        return self.encode(timestep.observation), next_state, timestep.reward, last & (timestep.discount == 0), {}
+        discount = jnp.max(timestep.discount)  # per agent in a multi-agent env: 0 once every agent's episode ended
+        next_state = JumanjiState(suite=suite, time=state.time + 1, suite_truncated=last & (discount > 0))
+        return self.encode(timestep.observation), next_state, jnp.sum(timestep.reward), last & (discount == 0), {}
 
     def is_truncated(self, state, params):
         return state.suite_truncated | (state.time >= params.max_steps_in_episode)
@@ -2044,6 +2077,8 @@ class JumanjiEnv(GymnaxEnvironment):
         return JUMANJI_PREFIX + self.jumanji_name
 
     def action_space(self, params=None):
+        if self.factorised:
+            return spaces.Tuple([spaces.Discrete(n) for n in self.num_values])
         return spaces.Discrete(int(np.prod(self.num_values)))
 
     def observation_space(self, params):
@@ -2067,12 +2102,14 @@ def check_jumanji_env(env_id: str) -> None:
     if not hasattr(spec, "num_values"):
         raise ConfigError(f"--env {env_id}: its actions are {type(spec).__name__}, not discrete or multi-discrete; "
                           "ppo_jax takes Jumanji's discrete and multi-discrete actions: use another Jumanji env")
-    if np.prod(env.num_values) > JUMANJI_MAX_ACTIONS:
-        raise ConfigError(f"--env {env_id}: its multi-discrete action has {int(np.prod(env.num_values))} joint values "
-                          f"(over {JUMANJI_MAX_ACTIONS}; a factorised policy is not built yet): use another Jumanji env")
-    if env.mask_shape is not None and env.mask_shape not in ((int(np.prod(env.num_values)),), env.num_values):
-        raise ConfigError(f"--env {env_id}: its action mask has shape {env.mask_shape}, not one entry per action "
-                          f"{env.num_values} (a per-agent mask: not supported yet): use another Jumanji env")
+    if not env.factorised and np.prod(env.num_values) > JUMANJI_MAX_ACTIONS:
+        raise ConfigError(f"--env {env_id}: its mask is over a multi-discrete action of {int(np.prod(env.num_values))} "
+                          f"joint values (over {JUMANJI_MAX_ACTIONS}; a factorised policy cannot keep a joint mask): "
+                          "use another Jumanji env")
+    per_component = (len(env.num_values), env.num_values[0])
+    if env.factorised and env.mask_shape is not None and (env.mask_shape != per_component or len(set(env.num_values)) > 1):
+        raise ConfigError(f"--env {env_id}: its action mask has shape {env.mask_shape}, neither one entry per joint "
+                          f"action {env.num_values} nor one row per component {per_component}: use another Jumanji env")
 
 
 # A Craftax env (the craftax package: --env craftax:Craftax-Classic-Symbolic-v1) seen through gymnax's
@@ -3350,11 +3387,12 @@ def random_policy_program(config: Config, num_envs: int):
     def step(carry, inputs):
         obs, env_state = carry
         action_keys, step_keys, reset = inputs
-        action = jax.vmap(space.sample)(action_keys)
-        action = action if env.discrete else action.reshape(num_envs, env.action_dim)
-        if env.action_mask_size:  # uniform over the legal actions
-            legal = obs[:, -env.action_mask_size:] > 0.5
-            action = Categorical(masked_logits(jnp.zeros(legal.shape), legal)).sample(action_keys[0])
+        if env.action_mask_size or env.action_nvec:  # uniform over the legal actions (factorised: per component)
+            legal = obs[:, -env.action_mask_size:] > 0.5 if env.action_mask_size else jnp.ones((num_envs, env.action_dim), bool)
+            action = Categorical(masked_logits(jnp.zeros(legal.shape), legal), env.action_nvec).sample(action_keys[0])
+        else:
+            action = jax.vmap(space.sample)(action_keys)
+            action = action if env.discrete else action.reshape(num_envs, env.action_dim)
         obs, env_state, _, terminated, truncated, info = env.step(step_keys, env_state, action, reset)
         done = (terminated | truncated).astype(jnp.float32)
         return (obs, env_state), (done * info["episode_return"], done)

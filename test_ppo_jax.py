@@ -2488,6 +2488,53 @@ def test_xminigrid_learns_empty_and_resumes_bit_identically(tmp_path):
 
 
 @pytest.mark.fast
+def test_a_factorised_categorical_is_the_product_of_its_components():
+    """A multi-discrete action as Categorical(logits, nvec): its log-probability, entropy and KL are the
+    sums of its components' (a float64 NumPy reference per component), its mode each component's argmax,
+    its samples each component's softmax (frequencies of 20,000 draws within 0.015), and a masked action
+    of a component has probability 0, is never sampled and gets no gradient."""
+    nvec, batch = (3, 5, 2), 4
+    rng = np.random.default_rng(0)
+    logits, other = rng.normal(size=(2, batch, sum(nvec))).astype(np.float32)
+    dist, dist_other = P.Categorical(jnp.asarray(logits), nvec), P.Categorical(jnp.asarray(other), nvec)
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    bounds = np.cumsum((0, *nvec))
+    parts = [(softmax(logits[:, a:b].astype(np.float64)), softmax(other[:, a:b].astype(np.float64)))
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    action = np.stack([rng.integers(n, size=batch) for n in nvec], axis=-1)  # [batch, K]
+    np.testing.assert_allclose(dist.log_prob(jnp.asarray(action)),
+                               sum(np.log(p[np.arange(batch), action[:, k]]) for k, (p, _) in enumerate(parts)), rtol=1e-5)
+    np.testing.assert_allclose(dist.entropy(), sum(-(p * np.log(p)).sum(-1) for p, _ in parts), rtol=1e-5)
+    np.testing.assert_allclose(dist.kl(dist_other), sum((p * np.log(p / q)).sum(-1) for p, q in parts), rtol=1e-4)
+    np.testing.assert_array_equal(dist.mode(), np.stack([p.argmax(-1) for p, _ in parts], axis=-1))
+    many = P.Categorical(jnp.broadcast_to(jnp.asarray(logits), (20_000, batch, sum(nvec))), nvec)
+    samples = np.asarray(many.sample(jax.random.PRNGKey(0)))  # [20000, batch, K]
+    assert samples.shape == (20_000, batch, len(nvec)) and samples.dtype == np.int32
+    for k, (p, _) in enumerate(parts):
+        frequencies = np.stack([np.bincount(samples[:, b, k], minlength=nvec[k]) / 20_000 for b in range(batch)])
+        np.testing.assert_allclose(frequencies, p, atol=0.015)
+
+    legal = np.ones((batch, sum(nvec)), bool)
+    legal[:, [0, 4, 8]] = False  # one action of each component
+    masked = lambda x: P.Categorical(P.masked_logits(x, jnp.asarray(legal)), nvec)  # noqa: E731
+    draws = np.asarray(P.Categorical(jnp.broadcast_to(masked(jnp.asarray(logits)).logits, (2_000, batch, sum(nvec))),
+                                     nvec).sample(jax.random.PRNGKey(1)))
+    assert not np.any(draws[..., 0] == 0) and not np.any(draws[..., 1] == 1) and not np.any(draws[..., 2] == 0)
+    np.testing.assert_allclose(np.exp(masked(jnp.asarray(logits)).log_prob(jnp.asarray([[0, 1, 1]] * batch))), 0.0)
+    safe = action.copy()  # the drawn actions, each component's masked one moved to a legal one
+    safe[:, 0] = np.where(safe[:, 0] == 0, 1, safe[:, 0])
+    safe[:, 1] = np.where(safe[:, 1] == 1, 2, safe[:, 1])
+    safe[:, 2] = np.where(safe[:, 2] == 0, 1, safe[:, 2])
+    grad = jax.grad(lambda x: jnp.sum(masked(x).log_prob(jnp.asarray(safe)) + masked(x).entropy()
+                                      + masked(x).kl(dist_other)))(jnp.asarray(logits))
+    assert np.all(np.asarray(grad)[~legal] == 0) and np.all(np.isfinite(grad)) and np.any(np.asarray(grad)[legal] != 0)
+
+
+@pytest.mark.fast
 def test_masked_actions_get_probability_zero_no_samples_and_no_gradient():
     """Invalid action masking (Huang & Ontanon 2022) as ActorCritic does it where an env gives a mask
     (the obs's last action_dim columns): a masked action has probability exactly 0, is never sampled
@@ -2603,9 +2650,75 @@ def test_jumanji_adapter_steps_as_the_suite_does_across_ends_and_time_limits(tmp
     check_suite_front_door(tmp_path, capsys, monkeypatch, "jumanji:Snake-v1", "jumanji:Maze-v0", "jumanji_names", (
         ("jumanji:Snake-v2", (), "did you mean jumanji:Snake-v1"),
         ("jumanji:", (), "give an env name; it has jumanji:BinPack-v2, "),
-        ("jumanji:Cleaner-v0", (), "its action mask has shape (3, 4), not one entry per action"),
-        ("jumanji:Connector-v3", (), "9765625 joint values"),
+        ("jumanji:FlatPack-v0", (), "its mask is over a multi-discrete action of 8100 joint values"),
         ("jumanji:SearchAndRescue-v0", (), "its actions are BoundedArray, not discrete")))
+
+
+def test_jumanji_multi_agent_actions_are_factorised_under_each_agents_mask():
+    """jumanji:LevelBasedForaging-v0 (2 agents of 6 actions, a mask per agent, a reward per agent): the
+    action space is a factorised categorical, the policy's samples and a random legal policy's [N, 2]
+    actions legal under each agent's mask; every transition is the suite's own step(state, action) from
+    the same state (the team's reward, the agents' summed; terminated where every agent's discount is 0,
+    truncated at the suite's own limit, discount 1; every food made eaten in two envs once, so that they
+    terminate; the observation each field flattened in order, then the mask), and where an episode ended
+    the env continues from the suite's reset(key)."""
+    pytest.importorskip("jumanji")
+    num_envs, steps_count = 16, 130
+    env = P.VecEnv("jumanji:LevelBasedForaging-v0", num_envs)
+    assert env.discrete and env.action_nvec == (6, 6) and env.action_dim == 12 and env.action_mask_size == 12
+    network = P.make_network(P.default_config("jumanji:LevelBasedForaging-v0"), env)
+    suite = env.env.jumanji_env
+
+    def encoding(observation):  # the adapter's documented encoding of LBF's observation
+        n = observation.agents_view.shape[0]
+        return np.concatenate([observation.agents_view.reshape(n, -1), observation.step_count.reshape(n, 1),
+                               observation.action_mask.reshape(n, -1)], axis=-1).astype(np.float32)
+
+    @jax.jit
+    def steps(key):
+        obs, state = env.reset(key)
+        params = network.init(key, obs[None], jnp.ones((1, num_envs), bool), jnp.zeros((num_envs, 0)))
+
+        def step(carry, inputs):
+            obs, state = carry
+            key, t = inputs
+            food = state.env_state.suite.food_items  # envs 0 and 1 find every food eaten at step 3: terminated
+            eaten = food.eaten | ((jnp.arange(num_envs) < 2) & (t == 3))[:, None]
+            state = state.replace(env_state=state.env_state.replace(
+                suite=state.env_state.suite.replace(food_items=food.replace(eaten=eaten))))
+            action_key, step_key, reset_key = jax.random.split(key, 3)
+            policy_action = network.apply(params, obs)[1].sample(action_key)  # the network's factorised policy
+            legal = obs[:, -12:] > 0.5
+            action = P.Categorical(P.masked_logits(jnp.zeros(legal.shape), legal), (6, 6)).sample(action_key)
+            reset_keys = jax.random.split(reset_key, (1, num_envs))
+            suite_next = jax.vmap(suite.step)(state.env_state.suite, action)[1]
+            fresh = jax.vmap(suite.reset)(reset_keys[0])[1].observation
+            next_obs, state, reward, terminated, truncated, info = env.step(
+                jax.random.split(step_key, num_envs), state, action, jax.tree.map(lambda x: x[0], env.resets(reset_keys)))
+            return (next_obs, state), (obs, policy_action, action, next_obs, reward, terminated, truncated, info,
+                                       suite_next, fresh)
+
+        return jax.lax.scan(step, (obs, state), (jax.random.split(key, steps_count), jnp.arange(steps_count)))[1]
+
+    seen = {"terminated": 0, "truncated": 0}
+    outputs = jax.device_get(steps(jax.random.PRNGKey(0)))
+    for t in range(steps_count):
+        obs, policy_action, action, next_obs, reward, terminated, truncated, info, suite_next, fresh = \
+            jax.tree.map(lambda x: x[t], outputs)
+        legal = obs[:, -12:].reshape(num_envs, 2, 6) > 0.5
+        for chosen in (policy_action, action):
+            assert chosen.shape == (num_envs, 2) and np.all(np.take_along_axis(legal, chosen[..., None], -1))
+        last = suite_next.step_type == 2  # dm_env's LAST
+        np.testing.assert_array_equal(info["final_observation"], encoding(suite_next.observation))
+        np.testing.assert_allclose(reward, suite_next.reward.sum(-1), rtol=1e-6)
+        np.testing.assert_array_equal(terminated, last & np.all(suite_next.discount == 0, axis=-1))
+        np.testing.assert_array_equal(truncated, last & np.any(suite_next.discount > 0, axis=-1))
+        for n in range(num_envs):
+            ended = terminated[n] or truncated[n]
+            seen["terminated" if terminated[n] else "truncated"] += bool(ended)
+            expected = jax.tree.map(lambda x: x[n:n + 1], fresh if ended else suite_next.observation)
+            np.testing.assert_array_equal(next_obs[n], encoding(expected)[0])
+    assert seen["truncated"] >= 8 and seen["terminated"] == 2, seen
 
 
 def test_jumanji_tetris_learns_through_its_mask_and_resumes_bit_identically(tmp_path):
