@@ -1811,11 +1811,11 @@ class BraxEnv(GymnaxEnvironment):
         return obs
 
     def reset_env(self, key, params):
-        state = self.brax_env.reset(key)
+        state = traced_once(self.brax_env.reset)(key)
         return self.policy_obs(state.obs), BraxEnvState(brax=state, time=jnp.zeros((), jnp.int32))
 
     def step_env(self, key, state, action, params):
-        brax_state = self.brax_env.step(state.brax, action)
+        brax_state = traced_once(self.brax_env.step)(state.brax, action)
         next_state = BraxEnvState(brax=brax_state, time=state.time + 1)
         return self.policy_obs(brax_state.obs), next_state, brax_state.reward, brax_state.done > 0.5, {}
 
@@ -1828,6 +1828,14 @@ class BraxEnv(GymnaxEnvironment):
 
     def observation_space(self, params):
         return spaces.Box(-jnp.inf, jnp.inf, (self.brax_env.observation_size,), jnp.float32)
+
+
+@functools.cache
+def traced_once(function):
+    """A Brax env's reset or step as one jax.jit per process, so that every program that calls it again
+    (init, updates, evaluation; a second run) reuses its trace: an MJX step takes seconds to trace (its
+    lowering: docs/speed.md)."""
+    return jax.jit(function)
 
 
 @functools.cache

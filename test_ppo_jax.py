@@ -2296,15 +2296,15 @@ def test_playground_adapter_steps_as_the_suite_does_across_limits_and_a_failed_p
 
 def test_playground_learns_cartpole_balance_and_resumes_bit_identically(tmp_path):
     """--env playground:CartpoleBalance at its defaults, its episodes cut to 200 steps (a reward <= 1 per
-    step: 200 is the most), on a short budget: both seeds balance the pole to within 5 % of the most,
-    far above a random policy. Sent SIGTERM after a chunk and resumed (MJX's physics state in the
-    checkpoint), the run ends with the metrics.csv, params and checkpoint of the run never stopped."""
+    step: 200 is the most), on a short budget: both seeds balance the pole to within 5 % of the most (far
+    above a random policy's return: docs/results.md). Stopped after a chunk, its checkpoint (MJX's physics
+    state) written and read back, and resumed: the metrics and params of the run never stopped."""
     pytest.importorskip("mujoco_playground")
-    argv = ["--env", "playground:CartpoleBalance", "--env-params", "max_steps_in_episode=200", "--num-seeds", "2",
-            "--total-timesteps", str(64 * 30 * 120), "--checkpoint-every", "30", "--table-rows", "0"]
-    finals, random_return = learns_and_resumes(tmp_path, argv, "update 30/120")
-    print(f"playground:CartpoleBalance (200 steps) final return per seed {finals}, random policy {random_return:.1f}")
-    assert np.all(finals >= 190) and random_return < 150, (finals, random_return)
+    config = P.default_config("playground:CartpoleBalance", env_params=("max_steps_in_episode=200",), num_seeds=2,
+                              total_timesteps=64 * 30 * 120, checkpoint_every=30)
+    finals = P.final_return(trains_and_resumes_through_a_checkpoint(tmp_path, config).metrics)
+    print(f"playground:CartpoleBalance (200 steps) final return per seed {finals}")
+    assert np.all(finals >= 190), finals
 
 
 def test_craftax_adapter_steps_as_the_suite_does_across_deaths_limits_and_its_reset_pool(tmp_path, capsys, monkeypatch):
@@ -2384,86 +2384,53 @@ def test_craftax_adapter_steps_as_the_suite_does_across_deaths_limits_and_its_re
 
 def test_craftax_trains_reports_achievements_and_resumes_bit_identically(tmp_path):
     """--env craftax:Craftax-Classic-Symbolic-v1 on a tiny budget and network (its learning is in
-    docs/results.md: a CPU's minutes), 100-step episodes: metrics.csv has every achievement's success rate
-    (in [0, 1], their sum the mean count per episode) and the run is finite. Sent SIGTERM after a chunk
-    and resumed (the worlds in the checkpoint), it ends with the metrics.csv, params and checkpoint of the
-    run never stopped, byte for byte."""
+    docs/results.md: a CPU's minutes), 100-step episodes: every achievement's success rate is a metric
+    (in [0, 1] where episodes ended, their sum the mean count per episode) and the run is finite.
+    Stopped after a chunk, its checkpoint (the worlds) written and read back, and resumed: the metrics and
+    params of the run never stopped."""
     pytest.importorskip("craftax")
-    argv = ["--env", "craftax:Craftax-Classic-Symbolic-v1", "--env-params", "max_steps_in_episode=100",
-            "--num-envs", "16", "--num-steps", "32", "--hidden-sizes", "32", "--num-seeds", "2",
-            "--total-timesteps", str(16 * 32 * 12), "--checkpoint-every", "3", "--table-rows", "0"]
-    finals, random_return = learns_and_resumes(tmp_path, argv, "update 3/12")
-    assert np.all(np.isfinite(finals)) and np.isfinite(random_return), (finals, random_return)
-    with open(tmp_path / "whole" / "metrics.csv") as f:
-        rows = [row for row in csv.DictReader(f) if float(row["episodes"]) > 0]
-    names = [name for name in rows[0] if name.startswith("achievement_")]
-    assert len(names) == 22 and rows, names
-    for row in rows:
-        rates = np.array([float(row[name]) for name in names])
-        assert np.all((rates >= 0) & (rates <= 1)), row
-        np.testing.assert_allclose(rates.sum(), float(row["achievements"]), rtol=1e-5)
+    config = P.default_config("craftax:Craftax-Classic-Symbolic-v1", env_params=("max_steps_in_episode=100",),
+                              num_envs=16, num_steps=32, hidden_sizes=(32,), num_seeds=2,
+                              total_timesteps=16 * 32 * 12, checkpoint_every=3)
+    metrics = trains_and_resumes_through_a_checkpoint(tmp_path, config).metrics
+    assert np.all(np.isfinite(P.final_return(metrics)))
+    names = [name for name in metrics if name.startswith("achievement_")]
+    ended = metrics["episodes"] > 0
+    assert len(names) == 22 and ended.sum() >= 10, (names, ended.sum())
+    rates = np.stack([metrics[name][ended] for name in names])  # [achievements, updates with episodes]
+    assert np.all((rates >= 0) & (rates <= 1))
+    np.testing.assert_allclose(rates.sum(0), metrics["achievements"][ended], rtol=1e-5)
 
 
-def test_xminigrid_adapter_steps_as_the_suite_does_across_goals_and_time_limits(tmp_path, capsys, monkeypatch):
-    """xminigrid:MiniGrid-Empty-5x5 with a 10-step limit, acting at random: every transition is the
-    suite's own step(params, timestep, action) from the same timestep (its reward; its LAST step
-    with discount 0, the goal, is terminated; one with discount 1, the limit, truncated; the final
-    observation its observation, one-hot), and where an episode ended the env continues from the
-    suite's reset(params, key) with the step's reset key. Bad ids, a non-positive limit, a missing
-    suite: one line each; --env xminigrid: lists the ids; the run directory's name has no colon."""
-    pytest.importorskip("xminigrid")
-    num_envs, limit = 8, 10
-    env = P.VecEnv("xminigrid:MiniGrid-Empty-5x5", num_envs, env_params=[f"max_steps_in_episode={limit}"])
-    suite, params = env.env.xminigrid_env, env.env.xminigrid_params.replace(max_steps=limit)
-    assert env.discrete and env.action_dim == 6 and env.obs_shape == (7, 7, 13 + 12) and env.episode_limit() == limit
+def trains_and_resumes_through_a_checkpoint(tmp_path, config: P.Config) -> P.RunResult:
+    """config's run whole; its state and metrics after the first chunk written by save_checkpoint and read
+    back by load_checkpoint (the suite's states through msgpack); and a run continued from what was read,
+    which ends with the whole run's metrics and params, bit for bit. A stop and --resume of the CLI are
+    these steps (the signal tests check them end to end on gymnax); in one process, the suite's programs
+    are traced twice, not four times (an MJX step takes seconds to trace)."""
+    keys, hparams = P.seed_keys(config), P.stack_hparams([config.hparams] * config.num_seeds)
+    first = []
 
-    def one_hot(obs):  # [..., 7, 7, 2] tiles and colours, as the adapter documents its encoding
-        return np.concatenate([np.eye(13)[obs[..., 0]], np.eye(12)[obs[..., 1]]], axis=-1).reshape(*obs.shape[:-3], -1)
+    def keep_the_first_chunk(done, metrics, state):
+        if done and not first:
+            first.append(P.Checkpoint(state(), {k: v for k, v in metrics.items() if k != "env_steps"}))
 
-    @jax.jit
-    def steps(key):  # 60 steps: VecEnv's outputs, and the suite's own step and reset for comparison
-        def step(state, key):
-            action_key, step_key, reset_key = jax.random.split(key, 3)
-            action = jax.random.randint(action_key, (num_envs,), 0, 3)  # forward, left, right
-            reset_keys = jax.random.split(reset_key, (1, num_envs))
-            suite_next = jax.vmap(suite.step, in_axes=(None, 0, 0))(params, state.env_state.timestep, action)
-            fresh = jax.vmap(suite.reset, in_axes=(None, 0))(params, reset_keys[0]).observation
-            next_obs, state, reward, terminated, truncated, info = env.step(
-                jax.random.split(step_key, num_envs), state, action, jax.tree.map(lambda x: x[0], env.resets(reset_keys)))
-            return state, (next_obs, reward, terminated, truncated, info, suite_next, fresh)
-
-        return jax.lax.scan(step, env.reset(key)[1], jax.random.split(key, 60))[1]
-
-    seen = {"terminated": 0, "truncated": 0}
-    outputs = jax.device_get(steps(jax.random.PRNGKey(0)))
-    for t in range(60):
-        next_obs, reward, terminated, truncated, info, suite_next, fresh = jax.tree.map(lambda x: x[t], outputs)
-        last = suite_next.step_type == 2  # dm_env's LAST
-        np.testing.assert_array_equal(info["final_observation"], one_hot(suite_next.observation))
-        np.testing.assert_array_equal(reward, suite_next.reward)
-        np.testing.assert_array_equal(terminated, last & (suite_next.discount == 0))
-        np.testing.assert_array_equal(truncated, suite_next.state.step_num >= limit)
-        np.testing.assert_array_equal(terminated | truncated, last)
-        for n in range(num_envs):
-            ended = terminated[n] or truncated[n]
-            seen["terminated" if terminated[n] else "truncated"] += bool(ended)
-            expected = fresh[n] if ended else suite_next.observation[n]
-            np.testing.assert_array_equal(next_obs[n], one_hot(expected))
-            assert not terminated[n] or reward[n] == pytest.approx(1 - 0.9 * info["episode_length"][n] / limit)
-    assert seen["terminated"] >= 3 and seen["truncated"] >= 3, seen
-
-    check_suite_front_door(tmp_path, capsys, monkeypatch, "xminigrid:MiniGrid-Empty-5x5", "xminigrid:MiniGrid-DoorKey-5x5",
-                           "xminigrid_names", (
-                               ("xminigrid:MiniGrid-Empty-9x9", (), "did you mean xminigrid:MiniGrid-Empty-8x8"),
-                               ("xminigrid:", (), "give an env name; it has xminigrid:MiniGrid-BlockedUnlockPickUp, "),
-                               ("xminigrid:XLand-MiniGrid-R1-9x9", (), "draw their tasks from a benchmark's rulesets")))
+    whole = P.run_batch(config, keys, hparams, on_chunk=keep_the_first_chunk)
+    P.save_checkpoint(str(tmp_path), config, first[0])
+    loaded = P.load_checkpoint(str(tmp_path), config, keys)
+    assert 0 < loaded.updates_done < whole.metrics["episode_return"].shape[-1]
+    resumed = P.run_batch(config, keys, hparams, start=loaded)
+    for name, value in whole.metrics.items():
+        np.testing.assert_array_equal(resumed.metrics[name], value, err_msg=name)
+    chex.assert_trees_all_equal(resumed.state.params, whole.state.params)
+    return whole
 
 
-def learns_and_resumes(tmp_path, argv: list[str], stop_at: str) -> tuple[np.ndarray, float]:
+def learns_and_resumes(tmp_path, argv: list[str], stop_at: str, random_baseline: bool = True):
     """`python ppo_jax.py ARGV` whole, and again sent SIGTERM at the line holding `stop_at` (after a chunk)
     and resumed: the resumed run ends with the metrics.csv, params and checkpoint of the run never stopped,
     byte for byte (the suite's states went through the checkpoint). -> (the final return per seed, a random
-    policy's return)."""
+    policy's return, or None without random_baseline: another program to compile)."""
     whole = P.main([*argv, "--run-dir", str(tmp_path / "whole"), "--quiet"])
     code, err = sigterm_at(stop_at, [*argv, "--run-dir", str(tmp_path / "stopped")])
     assert code == 143, err[-2000:]
@@ -2471,7 +2438,7 @@ def learns_and_resumes(tmp_path, argv: list[str], stop_at: str) -> tuple[np.ndar
     P.main(["--resume", str(tmp_path / "stopped"), "--quiet"])
     for name in ("metrics.csv", "params.msgpack", "checkpoint.msgpack"):
         assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
-    return P.final_return(whole.metrics), P.random_policy_return(whole.config)
+    return P.final_return(whole.metrics), P.random_policy_return(whole.config) if random_baseline else None
 
 
 def test_xminigrid_learns_empty_and_resumes_bit_identically(tmp_path):
