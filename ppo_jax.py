@@ -1908,6 +1908,10 @@ def playground_environment(name: str, impl: str):
     return env, int(registry.get_default_config(name).episode_length)
 
 
+def playground_impl(overrides: Sequence[str]) -> str:  # --env-params impl=..., before the env (and its limit) exists
+    return override_env_params(PlaygroundParams(max_steps_in_episode=1), overrides).impl
+
+
 def playground_names() -> list[str]:
     from mujoco_playground import registry
 
@@ -2416,7 +2420,7 @@ def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
         env = CraftaxEnv(env_id[len(CRAFTAX_PREFIX):])
         return env, override_env_params(env.default_params, overrides)
     if env_id.startswith(PLAYGROUND_PREFIX):
-        impl = override_env_params(PlaygroundParams(max_steps_in_episode=1), overrides).impl
+        impl = playground_impl(overrides)
         env = PlaygroundEnv(env_id[len(PLAYGROUND_PREFIX):], impl)
         return env, override_env_params(env.default_params.replace(impl=impl), overrides)
     if env_id == TOY_RLHF:
@@ -2485,7 +2489,7 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
         check_jumanji_env(env_id)
     elif env_id.startswith(PLAYGROUND_PREFIX):
         check_suite_id(env_id, PLAYGROUND_PREFIX, playground_names, "playground", PLAYGROUND_INSTALL)
-        impl = override_env_params(PlaygroundParams(max_steps_in_episode=1), overrides).impl
+        impl = playground_impl(overrides)
         if impl not in PLAYGROUND_IMPLS:
             raise ConfigError(f"--env-params impl={impl}: MuJoCo Playground's implementations are {', '.join(PLAYGROUND_IMPLS)}")
         try:

@@ -2426,11 +2426,11 @@ def trains_and_resumes_through_a_checkpoint(tmp_path, config: P.Config) -> P.Run
     return whole
 
 
-def learns_and_resumes(tmp_path, argv: list[str], stop_at: str, random_baseline: bool = True):
+def learns_and_resumes(tmp_path, argv: list[str], stop_at: str) -> tuple[np.ndarray, float]:
     """`python ppo_jax.py ARGV` whole, and again sent SIGTERM at the line holding `stop_at` (after a chunk)
     and resumed: the resumed run ends with the metrics.csv, params and checkpoint of the run never stopped,
     byte for byte (the suite's states went through the checkpoint). -> (the final return per seed, a random
-    policy's return, or None without random_baseline: another program to compile)."""
+    policy's return)."""
     whole = P.main([*argv, "--run-dir", str(tmp_path / "whole"), "--quiet"])
     code, err = sigterm_at(stop_at, [*argv, "--run-dir", str(tmp_path / "stopped")])
     assert code == 143, err[-2000:]
@@ -2438,7 +2438,7 @@ def learns_and_resumes(tmp_path, argv: list[str], stop_at: str, random_baseline:
     P.main(["--resume", str(tmp_path / "stopped"), "--quiet"])
     for name in ("metrics.csv", "params.msgpack", "checkpoint.msgpack"):
         assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
-    return P.final_return(whole.metrics), P.random_policy_return(whole.config) if random_baseline else None
+    return P.final_return(whole.metrics), P.random_policy_return(whole.config)
 
 
 def test_xminigrid_learns_empty_and_resumes_bit_identically(tmp_path):
