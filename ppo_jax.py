@@ -5839,13 +5839,25 @@ def xla_options(config: Config | None = None) -> dict[str, Any] | None:
       they run as fast, as their heavy ops, the dots, are library calls that the level does not touch.
     - Without AVX-512, from EIGEN_DOTS_FROM_MINIBATCH samples per minibatch, no YNNPACK fusions
       (speed; with AVX-512 YNNPACK is faster at every size, and stays on).
+    - With $PPO_JAX_QUICK_COMPILE=1, the init's options instead (quick_compile).
     Accelerators keep XLA's defaults. Figures: docs/speed.md."""
     if not on_cpu():
         return None
+    if quick_compile():
+        return init_xla_options()
     options = {"xla_backend_optimization_level": 1}
     if config is not None and config.minibatch_size >= EIGEN_DOTS_FROM_MINIBATCH and not cpu_has_avx512():
         options["xla_cpu_experimental_ynn_fusion_type"] = ""  # the empty set of fusion types
     return options
+
+
+def quick_compile() -> bool:
+    """$PPO_JAX_QUICK_COMPILE=1 (on CPU): every program compiled as the init is (init_xla_options), in
+    about half the time, to run slower loops: for short runs, where the compile is most of the time
+    (the test suite sets it). Floats can differ in the last bits from an optimised compile's (and a
+    run's in chunks from the same run in one program), so compare runs bit for bit only under one
+    setting (--resume, under the setting the run started with, stays bit-identical)."""
+    return os.environ.get("PPO_JAX_QUICK_COMPILE", "") not in ("", "0")
 
 
 def init_xla_options() -> dict[str, Any] | None:

@@ -1665,9 +1665,11 @@ def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.optimised
 def test_a_run_in_chunks_equals_one_program():
     """run_batch runs init, then chunks of --checkpoint-every updates (the last one shorter, its extra
-    updates skipped by lax.cond): bit-identical to init and one scan over all updates (TrainPrograms)."""
+    updates skipped by lax.cond): bit-identical to init and one scan over all updates (TrainPrograms),
+    as users' runs compile (a quick compile's chunk and whole-run programs differ in the last bits)."""
     config = tiny_config(total_timesteps=4 * 32 * 7, hparams=P.HParams(norm_obs=True, scale_reward=True))
     state, metrics = TrainPrograms(config)(P.seed_keys(config)[0], config.hparams)
     for every in (3, 7):  # chunks 3 + 3 + 1 (of a 3-update program), and one chunk
@@ -1679,6 +1681,19 @@ def test_a_run_in_chunks_equals_one_program():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compile option")
+@pytest.mark.fast
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compile option")
+def test_quick_compile_gives_every_program_the_inits_options(monkeypatch):
+    """$PPO_JAX_QUICK_COMPILE=1 (the tests' default, conftest.py): every program compiles as the init
+    does; unset or 0, the updates get the optimised options."""
+    assert P.quick_compile()  # this test is not marked optimised
+    for value, quick in [("1", True), ("0", False), ("", False)]:
+        monkeypatch.setenv("PPO_JAX_QUICK_COMPILE", value)
+        assert (P.xla_options(tiny_config()) == P.init_xla_options()) == quick, value
+        assert P.xla_options(tiny_config())["xla_backend_optimization_level"] == (0 if quick else 1), value
+
+
+@pytest.mark.optimised
 def test_big_minibatches_compile_without_ynnpack_and_run_batch_uses_the_same_options(monkeypatch):
     """On a CPU without AVX-512 (made so here, whatever this machine has), from
     EIGEN_DOTS_FROM_MINIBATCH samples per minibatch the programs are compiled without YNNPACK
@@ -1687,6 +1702,7 @@ def test_big_minibatches_compile_without_ynnpack_and_run_batch_uses_the_same_opt
     config = tiny_config(num_envs=32, num_steps=128, num_minibatches=1, update_epochs=1,
                          total_timesteps=2 * 32 * 128, env_devices=1)  # one device, as make_train's program
     assert config.minibatch_size == P.EIGEN_DOTS_FROM_MINIBATCH
+    assert not P.quick_compile()  # marked optimised: as users' runs compile
     monkeypatch.setattr(P, "cpu_has_avx512", lambda: True)
     assert "xla_cpu_experimental_ynn_fusion_type" not in P.xla_options(config)
     monkeypatch.setattr(P, "cpu_has_avx512", lambda: False)
@@ -1962,6 +1978,7 @@ def test_eval_returns_equal_a_python_loop_and_render_writes_the_episode(tmp_path
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.optimised
 def test_learns_cartpole_classic_config_and_eval_confirms_it(tmp_path):
     """The default CLI run, 2 seeds; then --eval --deterministic of its final policies."""
     result = P.main(["--num-seeds", "2", "--run-dir", str(tmp_path / "run"), "--quiet"])
@@ -1973,6 +1990,7 @@ def test_learns_cartpole_classic_config_and_eval_confirms_it(tmp_path):
     assert np.all(returns.mean(axis=1) >= 475), returns
 
 
+@pytest.mark.optimised
 def test_learns_bench_plain_ppo_yardstick():
     """bench.py's plain PPO, the speed yardstick, does the same work: it learns CartPole as PPO does
     (random play returns ~22; 65k steps of the classic hyperparameters at 8 envs: ~150-210)."""
@@ -1987,6 +2005,7 @@ def test_learns_bench_plain_ppo_yardstick():
     assert np.all(np.nanmean(returns[:, -returns.shape[1] // 10:], axis=1) >= 100), returns[:, -6:]
 
 
+@pytest.mark.optimised
 def test_learns_pendulum():
     config = dataclasses.replace(P.default_config("Pendulum-v1"), num_seeds=2)
     result = P.run(config)
@@ -1998,6 +2017,7 @@ def test_learns_pendulum():
 
 @pytest.mark.parametrize("env, published, floor", [("MountainCar-v0", -118, -125), ("MountainCarContinuous-v0", 92, 90),
                                                    ("Acrobot-v1", -80, -85)])
+@pytest.mark.optimised
 def test_learns_at_the_tuned_defaults_of_each_env(tmp_path, env, published, floor):
     """The tuned defaults (sweeps/tune_<env>.toml), at the published budget, 8 seeds: the
     deterministic policy's return, its IQM over the seeds, near gymnax-blines' published PPO return
@@ -2011,6 +2031,7 @@ def test_learns_at_the_tuned_defaults_of_each_env(tmp_path, env, published, floo
 
 
 @pytest.mark.parametrize("flags", [["--dual-clip", "3"], ["--clip-eps-high", "0.28"]])
+@pytest.mark.optimised
 def test_learns_cartpole_with_a_descendant_of_the_clip(tmp_path, flags):
     """Dual-clip (c = 3) and DAPO's clip-higher (0.28) each learn CartPole-v1 at the classic config's
     5e5 steps, 2 seeds, as the clipped surrogate does."""
@@ -2020,6 +2041,7 @@ def test_learns_cartpole_with_a_descendant_of_the_clip(tmp_path, flags):
     assert np.all(finals >= 475), finals
 
 
+@pytest.mark.optimised
 def test_learns_catch_with_grpo_the_leash_in_the_loss_and_no_critic(tmp_path):
     """GRPO's recipe, as a user starts it: groups of 8 envs on Catch-bsuite (9-step episodes, 2 per
     rollout), the k3 leash in the loss, to (and from) the policy of an earlier run with a critic.
@@ -2057,6 +2079,7 @@ def test_a_collapsed_ppo_penalty_is_reported(tmp_path, capsys):
     assert len(warnings_) == 1 and "[kl_target=1]" in warnings_[0] and "[kl_target=0]" not in warnings_[0], warnings_
 
 
+@pytest.mark.optimised
 def test_learns_cartpole_with_ppo_penalty_adaptive_kl():
     """PPO-Penalty alone (no clipping), adaptive beta with d_targ 0.01. At the classic lr 2.5e-4 the
     KL per update stays far below d_targ and beta decays to 0, so the penalty never acts; at 2.5e-3
@@ -2075,6 +2098,7 @@ def test_learns_cartpole_with_ppo_penalty_adaptive_kl():
     assert np.all(np.abs(np.log(np.median(result.metrics["kl"], axis=1) / 0.01)) < np.log(3))
 
 
+@pytest.mark.optimised
 def test_learns_minatar_breakout_with_the_cnn_torso():
     """Breakout-MinAtar with its defaults but a smaller batch (32 envs x 64 steps), 40 updates: the
     return must clear the random policy's (measured here, ~0.4) by a wide margin."""
@@ -2097,6 +2121,7 @@ def test_random_baseline_sees_whole_episodes_when_the_time_limit_is_long():
     assert math.isfinite(baseline) and 0.0 <= baseline < 5.0, baseline  # +1 per crossing; random rarely crosses
 
 
+@pytest.mark.optimised
 def test_learns_memory_chain_with_the_gru_where_the_mlp_cannot(tmp_path):
     """MemoryChain-bsuite shows a context bit at the start and asks for it 5 steps later (+1 right,
     -1 wrong): without memory the best return is 0; the GRU policy must reach 0.9, and --eval must
@@ -2201,6 +2226,7 @@ def test_every_brax_backends_state_goes_through_a_checkpoint_unchanged(tmp_path,
         np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.optimised
 def test_learns_brax_inverted_pendulum():
     """A short run of brax:inverted_pendulum with its Brax defaults, on a small batch: the return
     (steps the pole stays up) must grow well beyond the first update's."""
@@ -2294,6 +2320,7 @@ def test_playground_adapter_steps_as_the_suite_does_across_limits_and_a_failed_p
                                ("playground:CartpoleBalance", ("impl=cuda",), "implementations are jax, warp")))
 
 
+@pytest.mark.optimised
 def test_playground_learns_cartpole_balance_and_resumes_bit_identically(tmp_path):
     """--env playground:CartpoleBalance at its defaults, its episodes cut to 200 steps (a reward <= 1 per
     step: 200 is the most), on a short budget: both seeds balance the pole to within 5 % of the most (far
@@ -2382,6 +2409,7 @@ def test_craftax_adapter_steps_as_the_suite_does_across_deaths_limits_and_its_re
                                 "reset_ratio: give a positive number of envs per fresh world")))
 
 
+@pytest.mark.optimised
 def test_craftax_trains_reports_achievements_and_resumes_bit_identically(tmp_path):
     """--env craftax:Craftax-Classic-Symbolic-v1 on a tiny budget and network (its learning is in
     docs/results.md: a CPU's minutes), 100-step episodes: every achievement's success rate is a metric
@@ -2441,6 +2469,7 @@ def learns_and_resumes(tmp_path, argv: list[str], stop_at: str) -> tuple[np.ndar
     return P.final_return(whole.metrics), P.random_policy_return(whole.config)
 
 
+@pytest.mark.optimised
 def test_xminigrid_learns_empty_and_resumes_bit_identically(tmp_path):
     """--env xminigrid:MiniGrid-Empty-5x5 at its defaults on a short budget: the agent walks to the
     goal (the suite's reward 1 - 0.9 x steps / 100: 0.955 for the shortest path) far above a random
@@ -2688,6 +2717,7 @@ def test_jumanji_multi_agent_actions_are_factorised_under_each_agents_mask():
     assert seen["truncated"] >= 8 and seen["terminated"] == 2, seen
 
 
+@pytest.mark.optimised
 def test_jumanji_tetris_learns_through_its_mask_and_resumes_bit_identically(tmp_path):
     """--env jumanji:Tetris-v0 (a multi-discrete action, rotation x column, as one categorical under the
     suite's joint mask) at its defaults on a short budget: both seeds clear well over 1.3 x the lines
@@ -3101,6 +3131,7 @@ def cli(argv) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-u", P.__file__, *argv], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.optimised
 def test_ctrl_c_stops_after_the_chunk_and_a_second_ctrl_c_stops_at_once(tmp_path):
     """Ctrl-C during a chunk is answered at once (the chunk runs on, then the run saves and exits
     130 with the --resume line); a second Ctrl-C ends the process without finishing the chunk,
@@ -3570,7 +3601,7 @@ num_envs = 4
 num_envs = 8
 hidden_sizes = [16]
 [[grid]]
-lr = [3e-4, 3e-3, 1e30]
+lr = [3e-4, 1e-3, 1e30]
 """
 
 
