@@ -53,7 +53,8 @@ CONFIGS = {  # name -> (Config overrides, total steps per agent, quick steps, ag
     "gpu_cartpole_64_agents": (dict(env="CartPole-v1"), 500_000, 131_072, 64),
     "gpu_cartpole_1024_agents": (dict(env="CartPole-v1"), 500_000, 131_072, 1024),
     "gpu_cartpole_2048_agents": (dict(env="CartPole-v1"), 500_000, 131_072, 2048),
-    "gpu_brax_ant": (dict(env="brax:ant"), 50_000_000, 5_242_880, 1),  # needs requirements-brax.txt
+    "gpu_brax_ant": (dict(env="brax:ant", num_envs=2048, num_steps=16, update_epochs=4),  # the README's accelerator
+                     50_000_000, 5_242_880, 1),  # setting for Brax; needs requirements-brax.txt
 }
 QUICK = ("cartpole_classic", "cartpole_512envs")
 GPU = tuple(name for name in CONFIGS if name.startswith("gpu_"))

@@ -2148,7 +2148,9 @@ def test_brax_missing_or_unknown_is_one_line(monkeypatch, capsys):
     monkeypatch.undo()
     pytest.importorskip("brax")
     for argv, words in [(["--env", "brax:antt"], ["brax:antt", "brax:ant,"]),
-                        (["--env", "brax:ant", "--env-params", "backend=physx"], ["backend=physx", "mjx"])]:
+                        (["--env", "brax:ant", "--env-params", "backend=physx"], ["backend=physx", "mjx"]),
+                        (["--env", "brax:swimmer", "--env-params", "backend=mjx"], ["brax:swimmer", "backend=mjx",
+                                                                                     "generalized"])]:
         with pytest.raises(SystemExit):
             P.main(argv)
         err = capsys.readouterr().err.strip()
@@ -2224,6 +2226,26 @@ def test_every_brax_backends_state_goes_through_a_checkpoint_unchanged(tmp_path,
     assert jax.tree.structure(loaded.state) == jax.tree.structure(state) and loaded.updates_done == 2
     for ours, theirs in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(state)):
         np.testing.assert_array_equal(ours, theirs)
+
+
+def test_locomotion_spec_is_the_ppo_papers_table_3_on_every_brax_env_it_names():
+    """sweeps/locomotion_1m.toml resolves (every env and backend built, nothing compiled) to the PPO
+    paper's MuJoCo setting (Table 3: batches of 2048, 10 epochs of minibatches of 64, Adam 3e-4,
+    gamma 0.99, lambda 0.95, eps 0.2, 64-64 tanh) at 1e6 steps, 3 seeds, on the eight Brax envs that
+    stand for the paper's; `--env brax:*` alone gives the same setting (its defaults)."""
+    pytest.importorskip("brax")
+    path = os.path.join(os.path.dirname(P.__file__), "sweeps", "locomotion_1m.toml")
+    sweep = resolve(tomllib.loads(open(path).read()))
+    assert [config.env for config in sweep.configs] == [f"brax:{name}" for name in (
+        "hopper", "walker2d", "halfcheetah", "inverted_pendulum", "inverted_double_pendulum", "swimmer", "reacher", "ant")]
+    assert len(sweep.points) == 1
+    for config in [*sweep.configs, P.default_config("brax:hopper", num_seeds=3)]:
+        h = config.hparams
+        assert (config.batch_size, config.minibatch_size, config.update_epochs, config.total_timesteps,
+                config.num_seeds, config.hidden_sizes, config.activation) == (2048, 64, 10, 1_000_000, 3, (64, 64), "tanh")
+        assert (h.lr, h.gamma, h.gae_lambda, h.clip_eps, h.ent_coef, h.norm_obs, h.scale_reward) == \
+            (3e-4, 0.99, 0.95, 0.2, 0.0, True, True)
+        P.make_gymnax(config.env, config.env_params)  # the backend runs this env
 
 
 @pytest.mark.optimised
