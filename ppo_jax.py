@@ -1780,6 +1780,10 @@ BRAX_PREFIX = "brax:"
 BRAX_BACKENDS = ("generalized", "positional", "spring", "mjx")
 
 
+# Brax envs that cannot run with the pinned JAX, and why (refused in one line by check_env_id).
+BRAX_BROKEN = {"swimmer": "its fluid forces call jnp.clip(a_min=...), which JAX 0.10 removed (brax 0.14.2)"}
+
+
 BRAX_INSTALL = "pip install -r requirements-brax.txt"
 
 
@@ -2480,12 +2484,15 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
         if env_id[len(BRAX_PREFIX):] not in names:
             raise ConfigError(f"--env {env_id!r}: Brax has no such env; it has "
                               f"{', '.join(BRAX_PREFIX + name for name in names)}")
+        if env_id[len(BRAX_PREFIX):] in BRAX_BROKEN:
+            raise ConfigError(f"--env {env_id}: Brax's {env_id[len(BRAX_PREFIX):]} does not run with this JAX: "
+                              f"{BRAX_BROKEN[env_id[len(BRAX_PREFIX):]]}; use another Brax env")
         backend = override_env_params(BraxEnvParams(), overrides).backend
         if backend not in BRAX_BACKENDS:
             raise ConfigError(f"--env-params backend={backend}: Brax's backends are {', '.join(BRAX_BACKENDS)}")
         try:
             brax_environment(env_id[len(BRAX_PREFIX):], backend)
-        except ValueError as error:  # e.g. swimmer: only generalized
+        except ValueError as error:  # an env that runs on some backends only (Brax's swimmer: generalized)
             raise ConfigError(f"--env {env_id} --env-params backend={backend}: Brax refuses it ({error}); "
                               "try another backend (generalized runs every env)") from None
     elif env_id.startswith(XMINIGRID_PREFIX + "XLand-MiniGrid-"):
