@@ -2481,17 +2481,18 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
             names = brax_names()
         except ImportError:
             raise ConfigError(f"--env {env_id} needs brax, which is not installed: {BRAX_INSTALL}") from None
-        if env_id[len(BRAX_PREFIX):] not in names:
+        name = env_id[len(BRAX_PREFIX):]
+        if name not in names:
             raise ConfigError(f"--env {env_id!r}: Brax has no such env; it has "
-                              f"{', '.join(BRAX_PREFIX + name for name in names)}")
-        if env_id[len(BRAX_PREFIX):] in BRAX_BROKEN:
-            raise ConfigError(f"--env {env_id}: Brax's {env_id[len(BRAX_PREFIX):]} does not run with this JAX: "
-                              f"{BRAX_BROKEN[env_id[len(BRAX_PREFIX):]]}; use another Brax env")
+                              f"{', '.join(BRAX_PREFIX + known for known in names)}")
+        if name in BRAX_BROKEN:
+            raise ConfigError(f"--env {env_id}: Brax's {name} does not run with this JAX: {BRAX_BROKEN[name]}; "
+                              "use another Brax env")
         backend = override_env_params(BraxEnvParams(), overrides).backend
         if backend not in BRAX_BACKENDS:
             raise ConfigError(f"--env-params backend={backend}: Brax's backends are {', '.join(BRAX_BACKENDS)}")
         try:
-            brax_environment(env_id[len(BRAX_PREFIX):], backend)
+            brax_environment(name, backend)
         except ValueError as error:  # an env that runs on some backends only (Brax's swimmer: generalized)
             raise ConfigError(f"--env {env_id} --env-params backend={backend}: Brax refuses it ({error}); "
                               "try another backend (generalized runs every env)") from None

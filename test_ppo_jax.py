@@ -1680,7 +1680,6 @@ def test_a_run_in_chunks_equals_one_program():
     assert result.metrics["env_steps"][0, -1] == 7 * 4 * 32
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compile option")
 @pytest.mark.fast
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compile option")
 def test_quick_compile_gives_every_program_the_inits_options(monkeypatch):
@@ -1693,6 +1692,7 @@ def test_quick_compile_gives_every_program_the_inits_options(monkeypatch):
         assert P.xla_options(tiny_config())["xla_backend_optimization_level"] == (0 if quick else 1), value
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU compile option")
 @pytest.mark.optimised
 def test_big_minibatches_compile_without_ynnpack_and_run_batch_uses_the_same_options(monkeypatch):
     """On a CPU without AVX-512 (made so here, whatever this machine has), from
@@ -2154,6 +2154,7 @@ def test_brax_missing_or_unknown_is_one_line(monkeypatch, capsys):
             P.main(argv)
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and all(word in err for word in words), err
+
     def refuses(name, backend):  # as Brax's own envs refuse a backend they do not support (swimmer did)
         raise ValueError(f"Unsupported backend: {backend}.")
 
