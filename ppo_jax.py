@@ -244,6 +244,9 @@ class HParams:
     """Adam epsilon."""
     ortho_init: bool = True
     """Orthogonal init (sqrt 2 hidden, 0.01 policy head, 1 value head); off: flax's default (LeCun normal)."""
+    log_std_init: float = 0.0
+    """Continuous actions: the initial log std of the Gaussian policy (state-independent, learned);
+    0: std 1 (CleanRL, baselines); -0.5: Spinning Up's. Discrete actions: no effect."""
     # --- observation and reward processing
     norm_obs: bool = False
     """Normalise observations by a running mean/variance over all envs (kept with the params)."""
@@ -1455,16 +1458,20 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
-    """Fresh params (orthogonal or default init, by hparams.ortho_init) and empty statistics. A
-    Python bool ortho_init compiles that init alone; a traced one (it differs across a batch of
-    agents) compiles both and selects (compile time: each init is its own XLA compile)."""
+    """Fresh params (orthogonal or default init, by hparams.ortho_init; a Gaussian's log std at
+    hparams.log_std_init) and empty statistics. A Python bool ortho_init compiles that init alone;
+    a traced one (it differs across a batch of agents) compiles both and selects (compile time:
+    each init is its own XLA compile)."""
     inputs = (obs[None], jnp.ones((1, len(obs)), bool), initial_hidden(network, len(obs)))  # one step of [N] envs
     if isinstance(hparams.ortho_init, bool):
-        return Policy(network.clone(orthogonal_init=hparams.ortho_init).init(key, *inputs),
-                      RunningStats.zeros((env.obs_dim,), env.action_mask_size))
-    orthogonal = network.init(key, *inputs)
-    default = network.clone(orthogonal_init=False).init(key, *inputs)
-    params = jax.tree.map(lambda a, b: jnp.where(hparams.ortho_init, a, b), orthogonal, default)
+        params = network.clone(orthogonal_init=hparams.ortho_init).init(key, *inputs)
+    else:
+        orthogonal = network.init(key, *inputs)
+        default = network.clone(orthogonal_init=False).init(key, *inputs)
+        params = jax.tree.map(lambda a, b: jnp.where(hparams.ortho_init, a, b), orthogonal, default)
+    if "log_std" in params["params"]:  # a Gaussian policy (continuous actions)
+        log_std = params["params"]["log_std"]
+        params = {**params, "params": {**params["params"], "log_std": jnp.full_like(log_std, hparams.log_std_init)}}
     return Policy(params, RunningStats.zeros((env.obs_dim,), env.action_mask_size))
 
 
@@ -2583,6 +2590,8 @@ def validate_hparams(h: HParams, where: str = "") -> None:
             "give a starting beta, e.g. --kl-coef 1")
     if not h.ref_kl_horizon > 0:
         bad(f"--ref-kl-horizon {h.ref_kl_horizon}: must be > 0 (episodes)")
+    if not math.isfinite(h.log_std_init):
+        bad(f"--log-std-init {h.log_std_init}: must be a finite number (a log std: 0 is std 1, -0.5 std 0.61)")
     if h.ref_kl_target > 0 and h.ref_kl_coef == 0:
         bad(f"--ref-kl-target {h.ref_kl_target} adapts the leash's beta, but --ref-kl-coef is 0 and would stay 0: "
             "give a starting beta, e.g. --ref-kl-coef 0.1")

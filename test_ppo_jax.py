@@ -337,6 +337,29 @@ def test_a_constant_ortho_switch_compiles_one_init_with_the_same_params():
 
 
 @pytest.mark.fast
+def test_log_std_init_sets_the_gaussians_initial_std_per_agent_and_leaves_the_rest():
+    """--log-std-init: a Gaussian policy's initial log std is that value in every action dimension,
+    per agent when it varies across a vmapped batch; every other parameter is the same draw as at
+    the default (0); the sampled actions' spread follows exp(log_std_init)."""
+    config = tiny_config(env="Pendulum-v1")
+    env = P.make_env(config)
+    network = P.make_network(config, env)
+    key = jax.random.PRNGKey(3)
+    obs, _ = env.reset(key)
+    values = jnp.array([0.0, -0.5, -2.0])
+    batch = jax.jit(jax.vmap(lambda v: P.init_policy(key, env, network, P.HParams(log_std_init=v), obs)))(values)
+    np.testing.assert_array_equal(batch.params["params"]["log_std"], np.repeat(np.asarray(values)[:, None], env.action_dim, 1))
+    rest = lambda params: {k: v for k, v in params["params"].items() if k != "log_std"}  # noqa: E731
+    for i in (1, 2):
+        chex.assert_trees_all_equal(rest(jax.tree.map(lambda x: x[i], batch.params)),
+                                    rest(jax.tree.map(lambda x: x[0], batch.params)))
+    one = jax.tree.map(lambda x: x[1], batch.params)
+    _, dist, _ = network.apply(one, jnp.zeros((4096, env.obs_dim)))
+    spread = np.std(np.asarray(dist.sample(jax.random.PRNGKey(0)) - dist.mean))
+    assert spread == pytest.approx(np.exp(-0.5), rel=0.05)
+
+
+@pytest.mark.fast
 def test_explained_variance_and_learning_rate_schedule():
     targets = jnp.array([1.0, 2.0, 3.0, 4.0])
     assert float(P.explained_variance(targets, targets)) == 1.0
@@ -1147,6 +1170,7 @@ SWITCHES = {  # name: (overrides of the base point, overrides of the flipped poi
     "max_grad_norm": ({}, dict(max_grad_norm=math.inf)),
     "adam_eps": ({}, dict(adam_eps=1e-2)),
     "ortho_init": ({}, dict(ortho_init=False)),
+    "log_std_init": ({}, dict(log_std_init=-0.5)),
     "norm_obs": ({}, dict(norm_obs=True)),
     "clip_obs": (dict(norm_obs=True), dict(norm_obs=True, clip_obs=0.5)),
     "scale_reward": ({}, dict(scale_reward=True)),
@@ -1632,6 +1656,7 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--env-devices", "2", "--recurrent", "gru", "--num-minibatches", "4"], ["--env-devices 2", "env sequences"]),
     (["--env-devices", "-1"], ["--env-devices", ">= 0"]),
     (["--dual-clip", "0.5"], ["--dual-clip", "> 1"]),
+    (["--env", "Pendulum-v1", "--log-std-init", "nan"], ["--log-std-init", "finite"]),
     (["--ref-kl-target", "4"], ["--ref-kl-target", "--ref-kl-coef"]),
     (["--ref-kl-coef", "0.1", "--ref-kl-target", "4", "--ref-kl-horizon", "0"], ["--ref-kl-horizon", "> 0"]),
     (["--env", "ToyRLHF-v0", "--env-params", "mode=gld"], ["--env-params", "mode one of", "gold"]),
