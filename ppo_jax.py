@@ -3771,6 +3771,18 @@ def plot_final_vs(ax, name: str, sweep: Sweep, setting: SweepSetting) -> None:
 
 
 FEW_POINTS = 8  # curves.png draws each panel's best 8 in colour
+PANELS_PER_ROW = 4  # a sweep's figures wrap their panels (one per static setting) after this many
+
+
+def panel_grid(plt, n: int, width: float, height: float):
+    """A figure of n panels of width x height inches, PANELS_PER_ROW to a row, the unused ones hidden
+    -> (figure, the n axes in reading order)."""
+    cols = min(n, PANELS_PER_ROW)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:n])
 
 
 def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None:
@@ -3785,9 +3797,9 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
 
     n, points = len(settings), len(sweep.points)
     colors = plt.cm.viridis(np.linspace(0, 0.95, points))
-    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.2), squeeze=False)
+    fig, axes = panel_grid(plt, n, 5.5, 4.2)
     shown = set()  # the points drawn in colour in some panel
-    for ax, (i, setting) in zip(axes[0], enumerate(settings)):
+    for ax, (i, setting) in zip(axes, enumerate(settings)):
         steps = setting.result.metrics["env_steps"][0]
         returns = setting.per_point("episode_return")  # [points, seeds, updates]
         ranking = best_first(setting.final_iqm(sweep.rank_by))
@@ -3812,12 +3824,12 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
     save_figure(fig, os.path.join(run_dir, "curves.png"), dpi=110)
 
     for name in sweep.swept:
-        fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.8), squeeze=False)
-        for ax, (i, setting) in zip(axes[0], enumerate(settings)):
+        fig, axes = panel_grid(plt, n, 5, 3.8)
+        for ax, (i, setting) in zip(axes, enumerate(settings)):
             plot_final_vs(ax, name, sweep, setting)
             ax.set_title(setting_name(sweep, i))
         fig.tight_layout()  # then the legend beside the panels, however long (save_figure's tight box takes it in)
-        fig.legend(*axes[0, -1].get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
+        fig.legend(*axes[-1].get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
         save_figure(fig, os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
 
 

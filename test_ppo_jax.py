@@ -3967,6 +3967,11 @@ def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(
     best = max(panels[0].get_lines(), key=lambda line: line.get_zorder())
     assert best.get_label() == sweep.labels[5] and len(panels[0].collections) == 3  # bands of the best 3 only
     assert len(figures["curves.png"].legends) == 1 and all(ax.get_legend() is None for ax in panels)
+    many = dataclasses.replace(sweep, configs=sweep.configs * 3)  # six static settings: two rows of at most 4 panels
+    wrapped = drawn_figures(monkeypatch, many, settings * 3, tmp_path)["curves.png"]
+    shown = [ax for ax in wrapped.axes if ax.get_visible()]
+    assert len(shown) == 6 and len(wrapped.axes) == 2 * P.PANELS_PER_ROW == 8
+    assert [ax.get_subplotspec().rowspan.start for ax in shown] == [0, 0, 0, 0, 1, 1]
 
     scores = P.normalized_scores(settings)
     estimates, intervals = P.aggregate_scores(scores)
