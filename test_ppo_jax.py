@@ -2263,13 +2263,15 @@ def test_every_brax_backends_state_goes_through_a_checkpoint_unchanged(tmp_path,
 def test_locomotion_spec_is_the_ppo_papers_table_3_on_every_brax_env_it_names():
     """sweeps/locomotion_1m.toml resolves (every env and backend built, nothing compiled) to the PPO
     paper's MuJoCo setting (Table 3: batches of 2048, 10 epochs of minibatches of 64, Adam 3e-4,
-    gamma 0.99, lambda 0.95, eps 0.2, 64-64 tanh) at 1e6 steps, 3 seeds, on the seven Brax envs that
-    stand for the paper's and run; `--env brax:*` alone gives the same setting (its defaults)."""
+    gamma 0.99, lambda 0.95, eps 0.2, 64-64 tanh) at 1e6 steps, 3 seeds, on the six Brax envs that
+    stand for the paper's and run, and ant, humanoid and pusher; `--env brax:*` alone gives the same
+    setting (its defaults). sweeps/locomotion_ant_study.toml is its ant setting, one field changed per point."""
     pytest.importorskip("brax")
     path = os.path.join(os.path.dirname(P.__file__), "sweeps", "locomotion_1m.toml")
     sweep = resolve(tomllib.loads(open(path).read()))
     assert [config.env for config in sweep.configs] == [f"brax:{name}" for name in (
-        "hopper", "walker2d", "halfcheetah", "inverted_pendulum", "inverted_double_pendulum", "reacher", "ant")]
+        "hopper", "walker2d", "halfcheetah", "inverted_pendulum", "inverted_double_pendulum", "reacher", "ant",
+        "humanoid", "pusher")]
     assert len(sweep.points) == 1
     for config in [*sweep.configs, P.default_config("brax:hopper", num_seeds=3)]:
         h = config.hparams
@@ -2278,6 +2280,14 @@ def test_locomotion_spec_is_the_ppo_papers_table_3_on_every_brax_env_it_names():
         assert (h.lr, h.gamma, h.gae_lambda, h.clip_eps, h.ent_coef, h.norm_obs, h.scale_reward) == \
             (3e-4, 0.99, 0.95, 0.2, 0.0, True, True)
         P.make_gymnax(config.env, config.env_params)  # the backend runs this env
+    # The ant study: the spec's ant setting itself, then one field changed per point.
+    with open(os.path.join(os.path.dirname(path), "locomotion_ant_study.toml")) as f:
+        study = resolve(tomllib.loads(f.read()))
+    (ant,) = [config for config in sweep.configs if config.env == "brax:ant"]
+    assert study.configs == [ant]
+    changed = [{name: value for name, value in dataclasses.asdict(h).items() if value != getattr(ant.hparams, name)}
+               for h in study.hparams(ant)]
+    assert changed == [{}, {"norm_obs": False}, {"scale_reward": False}, {"log_std_init": -0.5}, {"log_std_init": -1.0}]
 
 
 @pytest.mark.optimised
