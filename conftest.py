@@ -40,7 +40,7 @@ LONGEST_FIRST = (  # the tests that took over 20 s on 2 cores (pytest --duration
     "test_one_agents_envs_sharded_over_devices_equal_one_device",
     "test_learns_memory_chain_with_the_gru_where_the_mlp_cannot",
     "test_distributed_faults_are_one_line",
-    "test_learns_brax_inverted_pendulum",
+    "test_learns_brax_inverted_pendulum_on_mjx_and_resumes_bit_identically",
     "test_distributed_run_stops_on_one_signal_resumes_and_equals_one_process",
     "test_every_brax_backends_state_goes_through_a_checkpoint_unchanged",
     "test_playground_adapter_steps_as_the_suite_does_across_limits_and_a_failed_physics",

@@ -2291,13 +2291,16 @@ def test_locomotion_spec_is_the_ppo_papers_table_3_on_every_brax_env_it_names():
 
 
 @pytest.mark.optimised
-def test_learns_brax_inverted_pendulum():
-    """A short run of brax:inverted_pendulum with its Brax defaults, on a small batch: the return
-    (steps the pole stays up) must grow well beyond the first update's."""
+def test_learns_brax_inverted_pendulum_on_mjx_and_resumes_bit_identically(tmp_path):
+    """A short run of brax:inverted_pendulum with its Brax defaults on MJX (the locomotion sweep's
+    backend), on a small batch: the return (steps the pole stays up) must grow well beyond the first
+    update's. Stopped after its first chunk, its checkpoint (MJX's physics state) written and read back,
+    and resumed: the metrics and params of the run never stopped, bit for bit."""
     pytest.importorskip("brax")
-    config = dataclasses.replace(P.default_config("brax:inverted_pendulum"), num_envs=32, num_steps=32,
-                                 num_minibatches=4, total_timesteps=32 * 32 * 30, table_rows=0)
-    metrics = P.run(config).metrics
+    config = dataclasses.replace(P.default_config("brax:inverted_pendulum", env_params=("backend=mjx",)), num_envs=32,
+                                 num_steps=32, num_minibatches=4, total_timesteps=32 * 32 * 30, checkpoint_every=10,
+                                 table_rows=0)
+    metrics = trains_and_resumes_through_a_checkpoint(tmp_path, config).metrics
     returns, finals = metrics["episode_return"][0], P.final_return(metrics)
     print(f"brax:inverted_pendulum: first update {returns[0]:.1f}, final return {finals}")
     assert finals[0] >= 5 * returns[0] and finals[0] >= 50, (returns[0], finals)
