@@ -2500,7 +2500,7 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
             raise ConfigError(f"--env-params backend={backend}: Brax's backends are {', '.join(BRAX_BACKENDS)}")
         try:
             brax_environment(name, backend)
-        except ValueError as error:  # an env that runs on some backends only (Brax's swimmer: generalized)
+        except ValueError as error:  # an env that runs on some backends only (Brax's own check)
             raise ConfigError(f"--env {env_id} --env-params backend={backend}: Brax refuses it ({error}); "
                               "try another backend (generalized runs every env)") from None
     elif env_id.startswith(XMINIGRID_PREFIX + "XLand-MiniGrid-"):
