@@ -2,7 +2,7 @@
 loop, scipy, a hand-derived value, or an equivalence (vmapped == single run).
 
     pytest -q                          # everything, as CI runs it (two workers: pytest.ini)
-    pytest -q -m fast                  # the forker's loop (under 3 minutes): the reference update and the math
+    pytest -q -m fast                  # the forker's loop (under 3 minutes): the references of an update and a rollout, the math
     pytest -q -k "not learns"          # skip the slow learning tests (test_learns_*)
 """
 
@@ -456,6 +456,110 @@ def test_rollout_shapes_and_continuous_actions_unclipped():
     assert not bool(traj.terminated.any())  # Pendulum only truncates
 
 
+ROLLOUT_CASES = {  # env: --env-params. CartPole's untrained episodes (~20 steps) end both ways under a limit
+    # of 12 steps; ToyRLHF's terminate at their length and report the env's own episode metrics.
+    "CartPole-v1": ("max_steps_in_episode=12",),
+    "ToyRLHF-v0": ("length=5",),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("env_id", ROLLOUT_CASES)
+def test_the_rollout_records_what_the_env_stepped_by_hand_gives(env_id):
+    """step_envs and process_rollout, two rollouts in a row, field by field against the suite's own
+    reset_env / step_env called one env and one step at a time in Python, episodes and the time
+    limit counted here: the observation a step begins in and whether it begins an episode; the
+    action, the sample of that observation's policy (float64, reference_network) with the step's
+    noise; reward, terminated, done; the final observation before the automatic reset; the running
+    discounted return; the return, length and the env's own metrics of an episode that ends; the
+    state the next rollout starts from. Then process_rollout: observations and final observations
+    normalised with the statistics of the rollout's start, log-probabilities, rewards scaled by the
+    std of every discounted return so far and clipped, and the statistics of every observation so
+    far. The draws are step_envs' own (rollout_randomness: action noise, step keys, fresh starts),
+    consumed as the suite's API consumes them."""
+    config = tiny_config(env=env_id, env_params=ROLLOUT_CASES[env_id], num_envs=3, num_steps=20)
+    hparams = P.HParams(norm_obs=True, clip_obs=2.0, scale_reward=True, clip_reward=1.5, gamma=0.9)
+    env = P.make_env(config)
+    network = P.make_network(config, env)
+    T, N, limit = config.num_steps, config.num_envs, env.episode_limit()
+    suite_step = jax.jit(lambda key, state, action: env.env.step_env(key, state, action, env.env_params))
+    state = P.init_train_state(jax.random.PRNGKey(0), env, network, P.make_optimizer(hparams, hparams.lr), hparams)
+    step_envs = jax.jit(P.step_envs, static_argnums=(1, 2, 3))
+    process = jax.jit(P.process_rollout, static_argnums=(2, 3))
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), state.params)
+    row = lambda tree, *index: jax.tree.map(lambda x: x[index], tree)  # noqa: E731
+
+    # By hand, per env: the suite's state and observation, the episode's length and return so far.
+    suites = [row(state.env_state.env_state, n) for n in range(N)]
+    obs = [np.asarray(state.obs[n]) for n in range(N)]
+    length, episode_return, running = np.zeros(N, int), np.zeros(N), np.zeros(N)
+    every_obs, every_return, ended = [], [], {"terminated": 0, "truncated": 0}
+    for r in range(2):
+        next_key, noise, step_keys, (fresh_obs, fresh_states) = P.rollout_randomness(state.key, env, T)
+        after, raw = step_envs(state, env, network, T, hparams)
+        processed, traj = process(after, raw, env, network, hparams)
+        mean, var = (np.asarray(x, np.float64) for x in (state.obs_stats.mean, state.obs_stats.var))
+        normalise = lambda x: np.clip((x - mean) / np.sqrt(var + 1e-8), -2.0, 2.0)  # noqa: E731
+        for t in range(T):
+            for n in range(N):
+                where = f"rollout {r}, step {t}, env {n}"
+                np.testing.assert_allclose(raw.obs[t, n], obs[n], atol=1e-5, err_msg=where)
+                assert bool(raw.first[t, n]) == (length[n] == 0), where
+                with jax.enable_x64(True):
+                    logits = np.asarray(reference_network(params, jnp.asarray(normalise(obs[n])[None]))[0][0])
+                action = int(np.argmax(logits + np.asarray(noise[t, n], np.float64)))
+                assert int(raw.action[t, n]) == action, where
+                next_obs, next_state, reward, terminated, info = suite_step(step_keys[t, n], suites[n], action)
+                length[n] += 1
+                episode_return[n] += float(reward)
+                running[n] = running[n] * hparams.gamma + float(reward)
+                truncated = length[n] >= limit
+                done = bool(terminated) or truncated
+                np.testing.assert_allclose(raw.reward[t, n], float(reward), rtol=1e-6, err_msg=where)
+                assert bool(raw.terminated[t, n]) == bool(terminated) and bool(raw.done[t, n]) == done, where
+                np.testing.assert_allclose(raw.final_obs[t, n], np.ravel(next_obs), atol=1e-5, err_msg=where)
+                np.testing.assert_allclose(raw.discounted_return[t, n], running[n], rtol=1e-5, err_msg=where)
+                every_return.append(running[n])
+                if done:
+                    ended["terminated" if terminated else "truncated"] += 1
+                    np.testing.assert_allclose(raw.episode_return[t, n], episode_return[n], rtol=1e-5, err_msg=where)
+                    assert int(raw.episode_length[t, n]) == length[n], where
+                    assert set(raw.episode_metrics) == set(env.episode_metrics)
+                    for name, value in raw.episode_metrics.items():
+                        np.testing.assert_allclose(value[t, n], info[name], rtol=1e-5, err_msg=f"{where}: {name}")
+                    obs[n], suites[n] = np.asarray(fresh_obs[t, n]), row(fresh_states, t, n)
+                    length[n], episode_return[n], running[n] = 0, 0.0, 0.0
+                else:
+                    obs[n], suites[n] = np.ravel(next_obs), next_state
+                # process_rollout, at this step
+                np.testing.assert_allclose(traj.obs[t, n], normalise(raw.obs[t, n]), atol=1e-5, err_msg=where)
+                np.testing.assert_allclose(traj.final_obs[t, n], normalise(raw.final_obs[t, n]), atol=1e-5,
+                                           err_msg=where)
+                log_softmax = logits - np.logaddexp.reduce(logits)
+                np.testing.assert_allclose(traj.log_prob[t, n], log_softmax[action], rtol=1e-5, atol=1e-6,
+                                           err_msg=where)
+        # The state the next rollout starts from.
+        np.testing.assert_allclose(after.obs, np.stack(obs), atol=1e-5)
+        np.testing.assert_array_equal(after.env_state.episode_length, length)
+        np.testing.assert_allclose(after.env_state.episode_return, episode_return, rtol=1e-5)
+        np.testing.assert_allclose(after.discounted_return, running, rtol=1e-5)
+        np.testing.assert_array_equal(jax.random.key_data(after.key), jax.random.key_data(next_key))
+        # process_rollout's rewards and statistics: of everything seen so far.
+        every_obs.append(np.asarray(raw.obs, np.float64).reshape(T * N, -1))
+        reward_std = np.sqrt(np.var(every_return) + 1e-8)
+        np.testing.assert_allclose(traj.reward, np.clip(np.asarray(raw.reward) / reward_std, -1.5, 1.5), rtol=1e-5)
+        np.testing.assert_allclose(processed.reward_stats.var, np.var(every_return), rtol=1e-5)
+        np.testing.assert_allclose(processed.obs_stats.mean, np.concatenate(every_obs).mean(0), atol=1e-6)
+        np.testing.assert_allclose(processed.obs_stats.var, np.concatenate(every_obs).var(0), rtol=1e-4, atol=1e-7)
+        assert int(processed.obs_stats.count) == sum(map(len, every_obs))
+        state = processed
+    if env_id == "CartPole-v1":
+        assert ended["terminated"] > 0 and ended["truncated"] > 0, ended
+    else:
+        assert ended["terminated"] == 2 * T * N // 5 and env.episode_metrics, ended  # every episode of 5 steps
+
+
 @pytest.mark.fast
 def test_ratio_is_exactly_one_on_first_minibatch():
     config = tiny_config()
@@ -601,7 +705,8 @@ def test_hparams_are_traced_not_compiled_in():
 
 def reference_network(params, obs):
     """The actor-critic MLP (separate tanh trunks, linear heads) from its parameter dict: obs [B, D]
-    -> (policy output [B, A]: logits or Gaussian means, log_std [A] (None if discrete), values [B])."""
+    -> (policy output [B, A]: logits or Gaussian means, log_std [A] (None if discrete), values [B]: 0
+    without a critic)."""
     p = params["params"]
 
     def mlp(x, name, head):
@@ -611,7 +716,33 @@ def reference_network(params, obs):
             layer += 1
         return x @ p[head]["kernel"] + p[head]["bias"]
 
-    return mlp(obs, "actor", "policy_head"), p.get("log_std"), mlp(obs, "critic", "value_head")[:, 0]
+    values = mlp(obs, "critic", "value_head")[:, 0] if "value_head" in p else jnp.zeros(len(obs))  # critic-free: 0
+    return mlp(obs, "actor", "policy_head"), p.get("log_std"), values
+
+
+def reference_initial_params(config: P.Config, h: P.HParams, key, obs):
+    """The initial actor-critic from flax's own Dense layers and initializers under ActorCritic's
+    names (so flax draws each layer from the same key): orthogonal with gain sqrt(2) on the hidden
+    layers, 0.01 on the policy head and 1 on the value head, or flax's default (LeCun normal) with
+    --no-ortho-init; zero biases; a Gaussian's log std at --log-std-init."""
+    import flax.linen as nn
+
+    env = P.make_env(config)
+    kernel_init = nn.initializers.orthogonal if bool(h.ortho_init) else lambda gain: nn.initializers.lecun_normal()
+
+    class Network(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            parts = [("actor", "policy_head", env.action_dim, 0.01), ("critic", "value_head", 1, 1.0)]
+            for trunk, head, width, gain in parts[:1 if config.adv_estimator != "gae" else 2]:  # critic-free: no critic
+                y = x
+                for i, size in enumerate(config.hidden_sizes):
+                    y = jnp.tanh(nn.Dense(size, kernel_init=kernel_init(math.sqrt(2)), name=f"{trunk}_{i}")(y))
+                nn.Dense(width, kernel_init=kernel_init(gain), name=head)(y)
+            if not env.discrete:
+                self.param("log_std", nn.initializers.constant(float(h.log_std_init)), (env.action_dim,))
+
+    return Network().init(key, obs[None])
 
 
 def reference_log_prob_and_entropy(out, log_std, actions, discrete: bool):
@@ -676,14 +807,17 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
                       + (returns.mean() - mean_old) ** 2 * n_old * n_new / total) / total
         if h.scale_reward:
             rewards = rewards / np.sqrt(reward_var + 1e-8)
+        clipped_rewards = int(np.sum(np.abs(rewards) > h.clip_reward))
         rewards = np.clip(rewards, -h.clip_reward, h.clip_reward)
         ref_kl = ref_kl_sum = np.nan
         beta = float(state.ref_kl_coef)  # the leash's beta: --ref-kl-coef, moved by --ref-kl-target's controller
+        in_loss = config.ref_kl_in == "loss"  # else a penalty on each reward (k1, the README's default)
         if beta > 0:
             reference = f64(state.reference.params)
             ref_out, ref_log_std, _ = reference_network(reference, normalise(raw_obs, state.reference.obs_stats))
             ref_log_probs, _ = reference_log_prob_and_entropy(ref_out, ref_log_std, actions, discrete)
-            rewards = rewards - beta * np.asarray(old_log_probs - ref_log_probs).reshape(T, N)
+            if not in_loss:
+                rewards = rewards - beta * np.asarray(old_log_probs - ref_log_probs).reshape(T, N)
             per_step = reference_kl(old_out, old_log_std, ref_out, ref_log_std, discrete)
             ref_kl, ref_kl_sum = float(per_step.mean()), float(per_step.sum())
 
@@ -692,13 +826,23 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
         # --bootstrap-truncation); either ends the sum.
         cut = terminated if h.bootstrap_truncation else done
         advantages = np.zeros((T, N))
+        critic = config.adv_estimator == "gae"
         for n in range(N):
             following = 0.0
             for t in reversed(range(T)):
                 delta = rewards[t, n] + (0.0 if cut[t, n] else h.gamma * next_values[t, n]) - values[t, n]
                 following = delta + (0.0 if done[t, n] else h.gamma * h.gae_lambda * following)
                 advantages[t, n] = following
-        targets, advantages, values = (advantages + values).reshape(B), advantages.reshape(B), values.reshape(B)
+        if not critic:  # GRPO: each episode's undiscounted return against its group's (the same rollout slot)
+            length, size = P.fixed_episode_length(config.env, config.env_params), config.group_size or N
+            for k in range(T // length):
+                steps = slice(k * length, (k + 1) * length)
+                for g in range(0, N, size):
+                    group = rewards[steps, g:g + size].sum(axis=0)
+                    tied = group.max() == group.min()
+                    advantages[steps, g:g + size] = 0.0 if tied else (group - group.mean()) / group.std(ddof=1)
+        targets = (advantages + values).reshape(B) if critic else np.zeros(B)
+        advantages, values = advantages.reshape(B), values.reshape(B)
 
         def loss(params, idx, minibatch_advantages, kl_coef):  # PPO paper Eq. 9, with Eq. 8's penalty
             out, log_std, new_values = reference_network(params, obs[idx])
@@ -718,12 +862,16 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
                 moved = values[idx] + jnp.clip(new_values - values[idx], -h.clip_eps, h.clip_eps)
                 squared = jnp.maximum(squared, (moved - targets[idx]) ** 2)
             diagnostics = dict(
-                policy_loss=-surrogate.mean(), value_loss=0.5 * squared.mean(), entropy=entropy.mean(),
-                approx_kl=jnp.mean(ratio - 1 - jnp.log(ratio)),
+                policy_loss=-surrogate.mean(), value_loss=0.5 * squared.mean() if critic else jnp.nan,
+                entropy=entropy.mean(), approx_kl=jnp.mean(ratio - 1 - jnp.log(ratio)),
                 clip_frac=jnp.mean(outside | dual))
             kl = reference_kl(old_out[idx], old_log_std, out, log_std, discrete).mean()
-            total = (diagnostics["policy_loss"] + kl_coef * kl + h.vf_coef * diagnostics["value_loss"]
-                     - h.ent_coef * diagnostics["entropy"])
+            total = (diagnostics["policy_loss"] + kl_coef * kl - h.ent_coef * diagnostics["entropy"]
+                     + (h.vf_coef * diagnostics["value_loss"] if critic else 0.0))
+            if in_loss and beta > 0:  # GRPO's placement, k3: rho - 1 - log rho, rho = pi_ref(a) / pi(a), through pi
+                log_rho = ref_log_probs[idx] - log_probs
+                assert config.ref_kl_estimator == "k3"
+                total = total + beta * jnp.mean(jnp.exp(log_rho) - 1 - log_rho)
             return total, diagnostics
 
         # Adam's moments, a leaf per parameter, in the params' order.
@@ -772,15 +920,17 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
         metrics = {name: np.mean([step[name] for step in history]) for name in history[0]} | dict(
             kl=kl, kl_coef=kl_coef, ref_kl=ref_kl, ref_kl_seq=ref_kl_seq, ref_kl_coef=beta,
             learning_rate=lr, grad_steps=count - int(adam.count),
-            explained_variance=1 - np.var(targets - values) / np.var(targets),
+            explained_variance=1 - np.var(targets - values) / np.var(targets) if critic else np.nan,
             episodes=ended.sum(),
             episode_return=flat(raw.episode_return)[ended].mean() if ended.any() else np.nan,
             episode_length=flat(raw.episode_length)[ended].mean() if ended.any() else np.nan,
+            **{name: flat(value)[ended].mean() if ended.any() else np.nan  # the env's own (ToyRLHF's gold, ...)
+               for name, value in raw.episode_metrics.items()},
             param_norm=math.sqrt(sum(float(jnp.sum(leaf**2)) for leaf in jax.tree.leaves(params))))
         return dict(params=jax.tree.map(np.asarray, params), mu=np.concatenate([np.ravel(m) for m in mu]),
                     nu=np.concatenate([np.ravel(v) for v in nu]), count=count, kl_coef=next_kl_coef,
                     ref_kl_coef=next_beta,
-                    reward_var=reward_var, metrics=metrics, steps=history)
+                    reward_var=reward_var, metrics=metrics, steps=history, clipped_rewards=clipped_rewards)
 
 
 def adam_state(opt_state) -> optax.ScaleByAdamState:
@@ -797,6 +947,7 @@ class RecordedUpdate:
         env = P.make_env(config)
         self.network = network = P.make_network(config, env)
         self.init = lambda key, hparams: P.init_train_state(key, env, network, P.make_optimizer(hparams, hparams.lr), hparams)
+        self.jitted_init = jax.jit(self.init)  # the switches traced, as in a batch whose agents differ in them
         self.update = jax.jit(lambda state, hparams: P.update_step(state, None, config, env, network, hparams))
         self.step_envs = jax.jit(lambda state, hparams: P.step_envs(state, env, network, config.num_steps, hparams))
 
@@ -807,9 +958,9 @@ class RecordedUpdate:
         after, metrics = self.update(state, hparams)
         return after, metrics, raw, orders
 
-    def state_before(self, update: int, hparams: P.HParams, key=jax.random.PRNGKey(0)):
-        """The train state after `update` updates with these hparams."""
-        state = self.init(key, hparams)
+    def state_before(self, update: int, hparams: P.HParams, key=jax.random.PRNGKey(0), state=None):
+        """The train state after `update` updates with these hparams, from `state` (default: the initial one)."""
+        state = self.init(key, hparams) if state is None else state
         for _ in range(update):
             state, _ = self.update(state, hparams)
         return state
@@ -818,11 +969,13 @@ class RecordedUpdate:
 RECORDED_UPDATES: dict[P.Config, RecordedUpdate] = {}  # one compile per static config, for every case
 
 
-def recorded_update(env: str) -> RecordedUpdate:
+def recorded_update(env: str, **static) -> RecordedUpdate:
     # CartPole's untrained episodes end in ~20 steps (terminations); Pendulum's time limit of 200
-    # steps truncates inside the third update's rollout (steps 192-287).
-    num_steps = 32 if env == "CartPole-v1" else 96
-    config = tiny_config(env=env, num_steps=num_steps, total_timesteps=4 * num_steps * 4, hidden_sizes=(8, 8))
+    # steps truncates inside the third update's rollout (steps 192-287); ToyRLHF's responses of 8
+    # tokens, two per rollout.
+    num_steps = {"CartPole-v1": 32, "Pendulum-v1": 96, "ToyRLHF-v0": 16}[env]
+    config = tiny_config(env=env, num_steps=num_steps, total_timesteps=4 * num_steps * 4, hidden_sizes=(8, 8),
+                         **static)
     if config not in RECORDED_UPDATES:
         RECORDED_UPDATES[config] = RecordedUpdate(config)
     return RECORDED_UPDATES[config]
@@ -849,11 +1002,12 @@ def assert_update_matches(after, metrics, expected, where: str):
     assert set(expected["metrics"]) == set(metrics), set(metrics) ^ set(expected["metrics"])
 
 
-REFERENCE_CASES = {  # name: (env, the update's HParams); large steps and a small epsilon, so that clips act
+REFERENCE_CASES = {  # name: (env, the update's HParams); large steps and a small epsilon, so that clips act.
+    # Each field off its default in a case where it acts (--no-clip-vloss where a value clip would bind).
     "classic": ("CartPole-v1", dict(lr=1e-2, clip_eps=0.05)),
     "continuous": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, gamma=0.95, ent_coef=0.01)),
     "norm_obs_scale_reward": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, norm_obs=True, clip_obs=1.5,
-                                                  scale_reward=True, clip_reward=0.3)),
+                                                  scale_reward=True, clip_reward=0.05)),
     "no_bootstrap_no_norm_adv_no_clips": ("Pendulum-v1", dict(bootstrap_truncation=False, norm_adv=False,
                                                               clip_eps=0.0, clip_vloss=False, max_grad_norm=math.inf,
                                                               anneal_lr=False, adam_eps=1e-3)),
@@ -864,18 +1018,62 @@ REFERENCE_CASES = {  # name: (env, the update's HParams); large steps and a smal
                                              lr=3e-2, clip_eps=0.05)),
     "clip_higher_dual_clip": ("CartPole-v1", dict(lr=1e-2, clip_eps=0.05, clip_eps_high=0.1, dual_clip=1.1)),
     "dual_clip_unclipped": ("Pendulum-v1", dict(lr=3e-2, clip_eps=0.0, dual_clip=1.05)),
+    "coefficients_and_init": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, ent_coef=0.05, vf_coef=2.0, gae_lambda=0.7,
+                                                  clip_vloss=False, ortho_init=False, log_std_init=-0.7)),
+    # GRPO's recipe in miniature: critic-free group advantages, the k3 leash in the loss, on ToyRLHF's responses.
+    "leash_k3_in_loss_grpo": ("ToyRLHF-v0", dict(ref_kl_coef=0.5, lr=3e-2, clip_eps=0.05, ent_coef=0.05),
+                              dict(adv_estimator="grpo", ref_kl_in="loss", ref_kl_estimator="k3")),
 }
+@pytest.mark.fast
+def test_a_batch_starts_from_the_initial_params_each_agents_hparams_ask_for():
+    """run_batch, as every run and sweep calls it, against reference_initial_params: a batch whose
+    agents differ in --ortho-init and --log-std-init (the init's switch traced) and one that shares
+    them (a constant of the init program). Checked after one update at a vanishing learning rate."""
+    config = tiny_config(env="Pendulum-v1", num_steps=32, num_minibatches=2, update_epochs=1, total_timesteps=128,
+                         hidden_sizes=(8,))
+    obs = np.zeros((config.num_envs, P.make_env(config).obs_dim), np.float32)
+    for points in ([dict(), dict(ortho_init=False, log_std_init=-0.7)], [dict(ortho_init=False, log_std_init=-0.7)] * 2):
+        hparams = [P.HParams(lr=1e-12, **point) for point in points]
+        keys = jax.random.split(jax.random.PRNGKey(3), len(points))
+        result = P.run_batch(config, keys, P.stack_hparams(hparams))
+        for agent, h in enumerate(hparams):
+            expected = reference_initial_params(config, h, jax.random.split(keys[agent], 3)[1], obs)
+            chex.assert_trees_all_close(jax.tree.map(lambda x: x[agent], result.state.params), expected, atol=2e-6)
+
+
+OTHER_REFERENCE_TESTS = {  # HParams fields whose reference is a test of its own
+    "target_kl": "test_target_kl_stops_midway_as_the_reference_does",
+}
+
+
+@pytest.mark.fast
+def test_every_hparams_field_leaves_its_default_in_a_reference_case():
+    """A mutation that replaces a field by its default passes every reference case that leaves the
+    field there: each field takes another value in at least one case (or has a reference test of
+    its own), so that the float64 reference (or, for the init's fields, reference_initial_params)
+    sees it act."""
+    defaults = {field.name: field.default for field in dataclasses.fields(P.HParams)}
+    moved = {name for _, point, *_ in REFERENCE_CASES.values() for name, value in point.items() if value != defaults[name]}
+    assert all(callable(globals().get(test)) for test in OTHER_REFERENCE_TESTS.values())
+    assert set(defaults) - moved - set(OTHER_REFERENCE_TESTS) == set()
 
 
 @pytest.mark.parametrize("case", REFERENCE_CASES)
 @pytest.mark.fast
 def test_an_update_equals_the_independent_reference(case):
     """update_step (the third update of a run) against reference_update, float64 and written apart:
-    params, Adam's moments and count, the next beta, the reward statistics and every metric."""
-    env, point = REFERENCE_CASES[case]
-    recorded = recorded_update(env)
+    params, Adam's moments and count, the next beta, the reward statistics and every metric; and
+    the run's initial params against reference_initial_params."""
+    env, point, *static = REFERENCE_CASES[case]
+    recorded = recorded_update(env, **(static[0] if static else {}))
     hparams = P.HParams(**point)
-    state = recorded.state_before(2, hparams)
+    key = jax.random.PRNGKey(0)
+    initial = recorded.init(key, hparams)
+    init_key = jax.random.split(key, 3)[1]  # init_train_state's key for the params
+    expected_init = reference_initial_params(recorded.config, hparams, init_key, initial.obs)
+    chex.assert_trees_all_close(initial.params, expected_init, atol=2e-6)  # the switches as Python values
+    chex.assert_trees_all_close(recorded.jitted_init(key, hparams).params, expected_init, atol=2e-6)  # traced
+    state = recorded.state_before(2, hparams, state=initial)
     if case.startswith("leash"):  # a reference policy of its own: other params, other observation statistics
         other = jax.tree.map(lambda x: 30.0 * x, recorded.network.init(jax.random.PRNGKey(42), state.obs[None]))
         stats = P.RunningStats(state.obs_stats.mean + 0.3, 2.0 * state.obs_stats.var, state.obs_stats.count)
@@ -890,12 +1088,14 @@ def test_an_update_equals_the_independent_reference(case):
     assert reached["grad_steps"] == recorded.config.update_epochs * recorded.config.num_minibatches
     if hparams.clip_eps > 0 or hparams.dual_clip > 0:
         assert reached["clip_frac"] > 0  # without clipping (dual_clip_unclipped): the dual clip binds
-    if env == "CartPole-v1":
-        assert np.any(np.asarray(raw.terminated))
-    else:
+    if env == "Pendulum-v1":
         assert np.any(np.asarray(raw.done) & ~np.asarray(raw.terminated))  # a truncation
+    else:
+        assert np.any(np.asarray(raw.terminated))
     if case.startswith("leash"):
         assert reached["ref_kl"] > 0.01  # far enough from the policy that the penalty matters
+    if hparams.clip_reward < math.inf:
+        assert 0 < expected["clipped_rewards"] < np.size(raw.reward)  # the clip binds, on some rewards
     if case == "leash_controller":
         assert reached["ref_kl_coef"] == pytest.approx(0.3) and expected["ref_kl_coef"] != pytest.approx(0.3)
 
