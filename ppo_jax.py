@@ -51,11 +51,13 @@ import os
 import re
 import signal
 import sys
+import textwrap
 import threading
 import time
 import tomllib
 import traceback
 import types
+import typing
 import warnings
 from typing import Annotated, Any, Callable, Literal, Sequence
 
@@ -157,6 +159,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 class ConfigError(ValueError):
     """A bad flag: the message names the flag, the value and the fix."""
+
+
+BOOLEAN_WORDS = {"true": True, "1": True, "on": True, "yes": True, "false": False, "0": False, "off": False, "no": False}
+
+
+def parse_bool(text: str, where: str) -> bool:
+    """A yes/no written as text (--sweep-set, --env-params): a word of BOOLEAN_WORDS, in any case;
+    any other word is refused, never read as false."""
+    try:
+        return BOOLEAN_WORDS[text.strip().lower()]
+    except KeyError:
+        raise ConfigError(f"{where}: {text.strip()!r} is not a yes/no: give true or false (or 1/0, on/off, "
+                          "yes/no)") from None
 
 
 @struct.dataclass
@@ -265,9 +280,10 @@ class Config:
     env: str = "CartPole-v1"
     """gymnax environment id (e.g. CartPole-v1, Pendulum-v1, Acrobot-v1, MountainCarContinuous-v0,
     Breakout-MinAtar, MemoryChain-bsuite), brax:NAME (brax:ant, brax:hopper, brax:inverted_pendulum,
-    ...; needs requirements-brax.txt), xminigrid:NAME and jumanji:NAME (XLand-MiniGrid, Jumanji: needs their
-    requirements-*.txt; the prefix alone lists the suite's envs), or ToyRLHF-v0 (RLHF in miniature: --env-params mode=fluency|gold|proxy
-    vocab length seed n_labels). The defaults shown by --help are that env's defaults."""
+    ...), playground:NAME (MuJoCo Playground: playground:CartpoleBalance, ...), xminigrid:NAME,
+    jumanji:NAME, craftax:NAME (each suite needs its requirements-*.txt; the prefix alone lists its
+    envs), or ToyRLHF-v0 (RLHF in miniature: --env-params mode=fluency|gold|proxy vocab length seed
+    n_labels). The defaults shown by --help are that env's defaults."""
     env_params: tuple[str, ...] = ()
     """Override the env's gymnax EnvParams, e.g. --env-params gravity=12.0 max_steps_in_episode=200
     (Brax: max_steps_in_episode, default 1000, and backend=generalized|positional|spring|mjx)."""
@@ -397,7 +413,8 @@ class Config:
     """Every this many updates of a run, evaluate each seed's current policy on --eval-episodes
     complete episodes, sampled and with its mode, between chunks (chunks end where evaluations
     fall): metrics.csv's eval_return and eval_return_deterministic (NaN between), the means that
-    --eval --seed SEED gives on that update's policy. 0: never. Single runs, not sweeps."""
+    --eval --seed SEED gives on that update's policy. 0: never. A sweep evaluates every point x seed
+    so (--rank-by eval_return_deterministic ranks by the last evaluation)."""
     eval_episodes: int = 10
     """With --eval-every: complete episodes per seed in each evaluation."""
     deterministic: bool = False
@@ -620,6 +637,15 @@ def default_config(env_id: str, **fields) -> Config:
     overrides = dict(overrides or {})  # an unknown id: Config's own (validate() reports the id)
     hparams = HParams(**overrides.pop("hparams", {}))
     chosen = fields.pop("hparams", {})
+    for given, known, kind in ((fields, Config, "Config"), ({} if isinstance(chosen, HParams) else chosen, HParams,
+                                                            "HParams")):
+        names = [f.name for f in dataclasses.fields(known) if f.name != "hparams"]
+        for name in given:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                raise ConfigError(f"default_config: {name!r} is not a {kind} field"
+                                  + (f"; did you mean {close[0]!r}?" if close else "")
+                                  + (" (HParams fields go in hparams=dict(...))" if name in HPARAM_FIELDS else ""))
     hparams = chosen if isinstance(chosen, HParams) else hparams.replace(**chosen)
     return Config(**{"env": env_id, **overrides, **fields, "hparams": hparams})
 
@@ -1562,6 +1588,12 @@ def read_policies(config: Config, env: VecEnv, network: ActorCritic, path: str, 
     template = jax.eval_shape(
         lambda key: init_policy(key, env, network, HParams(), jnp.zeros((1, env.obs_dim))), jax.random.PRNGKey(0)
     )
+    given = path
+    if os.path.isdir(path):  # a run directory (or a sweep's point-K): its params.msgpack
+        path = os.path.join(path, "params.msgpack")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{flag} {given}: a directory without params.msgpack: give a finished run's directory "
+                              "(a sweep's: SWEEP_DIR/setting-S/point-K) or a params.msgpack")
     try:
         with open(path, "rb") as f:
             saved = serialization.msgpack_restore(f.read())
@@ -1574,18 +1606,24 @@ def read_policies(config: Config, env: VecEnv, network: ActorCritic, path: str, 
     if not network.critic:  # a critic-free run starts from (or is leashed to) the policy of a run with a critic
         found = {name: value for name, value in found.items() if not is_critic(name)}
     missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    saved_env = None  # the env of the run that wrote it, from its config.json beside it
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        with open(os.path.join(os.path.dirname(path), "config.json")) as f:
+            saved_env = json.load(f).get("env")
+    another_env = (f"a policy of {saved_env} (its run's config.json), and this run is on {config.env}: give a "
+                   f"{config.env} run's params" if saved_env not in (None, config.env) else None)
     if missing or extra:
-        raise ConfigError(f"{flag} {path}: its parameters do not match this network (missing {missing[:3]}, "
-                          f"unexpected {extra[:3]}): same --hidden-sizes / --shared-trunk / --recurrent as the run "
-                          "that saved it?")
+        raise ConfigError(f"{flag} {path}: " + (another_env or (
+            f"its parameters do not match this network (missing {missing[:3]}, unexpected {extra[:3]}): another "
+            "--env, or other --hidden-sizes / --shared-trunk / --recurrent than the run that saved it?")))
     num_seeds = {np.shape(value)[0] if np.ndim(value) else 0 for value in found.values()}
     if len(num_seeds) != 1 or 0 in num_seeds:
         raise ConfigError(f"{flag} {path}: its entries hold different numbers of seeds {sorted(num_seeds)}: corrupt?")
     for name, leaf in expected.items():
         shape = tuple(np.shape(found[name])[1:])
         if shape != leaf.shape:
-            raise ConfigError(f"{flag} {path}: {name} has shape {shape}, this run's network needs {leaf.shape} "
-                              f"(a different --env or --hidden-sizes?)")
+            raise ConfigError(f"{flag} {path}: " + (another_env or f"{name} has shape {shape}, this run's network "
+                                                    f"needs {leaf.shape} (another --env or --hidden-sizes?)"))
     arrays = {name: np.asarray(value, np.float32) for name, value in found.items()}
     return serialization.from_state_dict(template, flax.traverse_util.unflatten_dict(arrays, sep="/"))
 
@@ -1629,7 +1667,7 @@ def override_env_params(env_params, overrides: Sequence[str]):
             raise ConfigError(f"--env-params {item!r}: give name=value with a name from {sorted(fields)}")
         kind = type(fields[name]) if isinstance(fields[name], bool | int | float | str) else float
         try:
-            changes[name] = text.lower() in ("1", "true") if kind is bool else kind(text)
+            changes[name] = parse_bool(text, f"--env-params {item!r}") if kind is bool else kind(text)
         except ValueError:
             raise ConfigError(f"--env-params {item!r}: {name} needs a {kind.__name__} value") from None
         if name == "max_steps_in_episode" and changes[name] < 1:
@@ -2490,8 +2528,9 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
             raise ConfigError(f"--env {env_id} needs brax, which is not installed: {BRAX_INSTALL}") from None
         name = env_id[len(BRAX_PREFIX):]
         if name not in names:
+            listed = [known for known in names if known not in BRAX_BROKEN and known != "fast"]  # (fast: Brax's test env)
             raise ConfigError(f"--env {env_id!r}: Brax has no such env; it has "
-                              f"{', '.join(BRAX_PREFIX + known for known in names)}")
+                              f"{', '.join(BRAX_PREFIX + known for known in listed)}")
         if name in BRAX_BROKEN:
             raise ConfigError(f"--env {env_id}: Brax's {name} does not run with this JAX: {BRAX_BROKEN[name]}; "
                               "use another Brax env")
@@ -2540,6 +2579,10 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
 
 
 STATIC_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"hparams"}
+
+
+CHOICES = {name: typing.get_args(hint) for name, hint in typing.get_type_hints(Config).items()
+           if typing.get_origin(hint) is Literal}  # the Literal fields: --activation, --torso, --recurrent, ...
 
 
 HPARAM_FIELDS = {f.name for f in dataclasses.fields(HParams)}
@@ -2598,6 +2641,10 @@ def validate_hparams(h: HParams, where: str = "") -> None:
 
 
 def check_run_dir_is_new(run_dir: str | None) -> None:
+    if run_dir is not None and (os.path.isfile(os.path.join(run_dir, "config.json")) or is_sweep_dir(run_dir)):
+        what = "sweep" if is_sweep_dir(run_dir) else "run"
+        raise ConfigError(f"--run-dir {run_dir} already holds a {what}: continue it with --resume {run_dir} (one "
+                          "stopped before its first checkpoint starts again there), or pick a new directory")
     if run_dir is not None and os.path.exists(run_dir):
         raise ConfigError(f"--run-dir {run_dir} already exists: pick a new directory (nothing is overwritten)")
 
@@ -2617,8 +2664,9 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
             raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be a positive integer")
     if config.torso == "cnn" and len(env.observation_space(env_params).shape) != 3:
         raise ConfigError(f"--torso cnn needs image observations (H x W x C); {config.env}'s are not: use --torso mlp")
-    if config.activation not in ("tanh", "relu"):
-        raise ConfigError(f"--activation {config.activation!r}: use tanh or relu")
+    for name, choices in CHOICES.items():  # a spec file or Python may give any string
+        if getattr(config, name) not in choices:
+            raise ConfigError(f"{flag(name)} {getattr(config, name)!r}: use one of {', '.join(choices)}")
     if not config.hidden_sizes or min(config.hidden_sizes) < 1:
         raise ConfigError(f"--hidden-sizes {config.hidden_sizes}: give one or more positive widths, e.g. 64 64")
     if config.eval_episodes < 1:
@@ -2666,12 +2714,7 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
 
 
 def validate_estimator(config: Config) -> None:
-    """The advantage estimator's and the KL leash's static choices (--adv-estimator, --group-size,
-    --ref-kl-estimator, --ref-kl-in), which a sweep spec may also set."""
-    for name, choices in (("adv_estimator", ("gae", "grpo", "rloo", "dr_grpo")),
-                          ("ref_kl_estimator", ("k1", "k2", "k3", "full")), ("ref_kl_in", ("reward", "loss"))):
-        if getattr(config, name) not in choices:
-            raise ConfigError(f"{flag(name)} {getattr(config, name)!r}: use one of {', '.join(choices)}")
+    """The critic-free estimators' needs (--adv-estimator, --group-size), which a sweep spec may also set."""
     estimator, group = config.adv_estimator, config.group_size
     if estimator == "gae":
         if group:
@@ -2743,7 +2786,26 @@ def with_env_steps(metrics: dict[str, np.ndarray], batch_size: int) -> dict[str,
 
 def config_json(config: Config) -> str:
     """The resolved Config as config.json holds it (and TensorBoard shows it)."""
-    return json.dumps(dataclasses.asdict(config), indent=2)
+    return json_text(dataclasses.asdict(config))
+
+
+def json_text(tree) -> str:
+    """Strict JSON, which every parser reads: NaN (nothing measured) as null, an infinite float as
+    1e999 (a JSON number too large for a double: Python, JavaScript and NumPy read it back as inf).
+    json.dumps alone writes NaN and Infinity, which strict parsers refuse."""
+    infinite = "\x00inf"  # a string no path or env id holds, replaced by the number once encoded
+
+    def strict(node):
+        if isinstance(node, dict):
+            return {key: strict(value) for key, value in node.items()}
+        if isinstance(node, list | tuple):
+            return [strict(value) for value in node]
+        if isinstance(node, float) and not math.isfinite(node):
+            return None if math.isnan(node) else ("-" if node < 0 else "") + infinite
+        return node
+
+    text = json.dumps(strict(tree), indent=2, allow_nan=False)
+    return text.replace(json.dumps(infinite), "1e999").replace(json.dumps("-" + infinite), "-1e999")
 
 
 def seed_keys(config: Config):
@@ -3058,9 +3120,10 @@ class StopRequests:
     def handle(self, signum, frame):
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        at_once = "Ctrl-C again" if signum == signal.SIGINT else "a SIGINT (Ctrl-C)"
         self.signal = signum
         print(f"\n{signal.Signals(signum).name}: stopping after this chunk of updates to save a checkpoint "
-              "(Ctrl-C again: stop now and lose the chunk)", file=sys.stderr, flush=True)
+              f"({at_once}: stop now and lose the chunk)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exception):
         for sig, handler in self.previous.items():
@@ -3377,17 +3440,28 @@ def check_rank_by(name, config: Config, where: str) -> None:
 
 def sweep_from_flags(cli: Config, explicit: dict[str, Any]) -> Sweep:
     """--sweep-set name=v1,v2 ... as a one-grid spec."""
-    grid = {}
+    grid = {}  # a name given twice: its values together
     for item in cli.sweep_set:
         name, _, values = item.partition("=")
+        where = f"--sweep-set {item!r}"
+        if name in STATIC_FIELDS:
+            raise ConfigError(f"{where}: {name} is static (it shapes the compiled program), so it cannot be swept "
+                              "from flags: give a spec file (--sweep FILE) a [[static]] table per value")
         if name not in HPARAM_FIELDS or not values:
-            raise ConfigError(f"--sweep-set {item!r}: give name=v1,v2,... with an HParams field name, e.g. lr=1e-4,3e-4")
-        template = getattr(HParams(), name)
+            close = difflib.get_close_matches(name, HPARAM_FIELDS, n=1)
+            raise ConfigError(f"{where}: give name=v1,v2,... with an HParams field name, e.g. lr=1e-4,3e-4"
+                              + (f" (did you mean {close[0]}?)" if close else ""))
         try:
-            grid[name] = [v.strip().lower() in ("1", "true", "on") if isinstance(template, bool) else float(v)
-                          for v in values.split(",")]
+            parsed = [parse_bool(v, where) if isinstance(getattr(HParams(), name), bool) else float(v)
+                      for v in values.split(",")]
         except ValueError:
-            raise ConfigError(f"--sweep-set {item!r}: {name} takes numbers") from None
+            raise ConfigError(f"{where}: {name} takes numbers") from None
+        merged = grid.setdefault(name, [])
+        for value in parsed:
+            if value in merged:
+                raise ConfigError(f"{where}: {name}={format_value(value)} is given twice: give each value once "
+                                  "(--num-seeds repeats a point)")
+            merged.append(value)
     explicit = {k: v for k, v in explicit.items() if k not in grid}
     text = "\n".join(f"# --sweep-set {item}" for item in cli.sweep_set)
     return resolve_sweep({"grid": grid}, "cli", text, cli, explicit)
@@ -3470,6 +3544,13 @@ class SweepSetting:
     def final_iqm(self, name: str = "episode_return") -> np.ndarray:  # [points]: over the seeds that did not diverge
         return np.array([finite_iqm(final) for final in self.final(name)])
 
+    def ranking(self, name: str = "episode_return") -> np.ndarray:
+        """The points, best first: by final_iqm(name); ties (e.g. CartPole's 500) by the mean area under
+        the return's curve, the point that got there sooner first."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a point whose every seed diverged: NaN, last
+            return best_first(self.final_iqm(name), np.nanmean(self.auc(), axis=1))
+
     def auc(self) -> np.ndarray:  # [points, seeds]: mean return over all updates (area under the curve / steps)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no episode ended
@@ -3483,6 +3564,19 @@ def setting_name(sweep: Sweep, i: int) -> str:
     specs = [run_spec(config) for config in sweep.configs]
     differ = [name for name in specs[i] if name != "env" and len({json.dumps(spec.get(name)) for spec in specs}) > 1]
     return " ".join([f"{i + 1}:{sweep.configs[i].env}"] + [f"{name}={format_value(specs[i][name])}" for name in differ])
+
+
+def setting_title(sweep: Sweep, i: int, wrap: int = 0) -> str:
+    """Static setting i, short, for figure panels and the progress line: its number, its env, and
+    only what the spec sets differently between the settings (not what follows from each env's own
+    defaults): "2: CartPole-v1", "3: ToyRLHF-v0 update_epochs=10"; wrap: lines of at most this many
+    characters. setting_name is the full label."""
+    specs = [run_spec(config) for config in sweep.configs]
+    spec_set = {name for spec, config in zip(specs, sweep.configs)  # beyond the env's defaults, in some setting
+                for name, value in run_spec(default_config(config.env)).items() if spec[name] != value}
+    differ = [name for name in specs[i] if name in spec_set - {"env"} and len({json.dumps(s[name]) for s in specs}) > 1]
+    title = " ".join([f"{i + 1}: {sweep.configs[i].env}"] + [f"{name}={format_value(specs[i][name])}" for name in differ])
+    return "\n".join(textwrap.wrap(title, wrap, break_on_hyphens=False)) if wrap else title
 
 
 # A sweep directory: its resolved spec, the sweep's tables and figures, and per static setting a
@@ -3625,9 +3719,12 @@ def performance_profiles(scores: np.ndarray, taus: np.ndarray, reps: int = 1000,
     return np.array([profiles[p] for p in range(len(scores))]), np.array([bands[p] for p in range(len(scores))])
 
 
-def best_first(values: np.ndarray) -> np.ndarray:
-    """The points' indices, highest value first, NaN (diverged) last, ties in point order."""
-    return np.argsort(-np.nan_to_num(values, nan=-np.inf), kind="stable")
+def best_first(values: np.ndarray, ties: np.ndarray | None = None) -> np.ndarray:
+    """The points' indices, highest value first, NaN (diverged) last; ties by `ties` (higher first,
+    NaN last), then in point order."""
+    keys = [-np.nan_to_num(values, nan=-np.inf)] if ties is None else [-np.nan_to_num(ties, nan=-np.inf),
+                                                                        -np.nan_to_num(values, nan=-np.inf)]
+    return np.lexsort([np.arange(len(values)), *keys])
 
 
 def summarize_sweep(sweep: Sweep, settings: list[SweepSetting], run_dir: str = "SWEEP_DIR") -> tuple[list[list[str]], str]:
@@ -3652,15 +3749,18 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting], run_dir: str = "
                   f"{result.steps_per_second:,.0f} agent-steps/s")
         text.append(f"\n{setting_name(sweep, i)}: {len(sweep.points)} points x {setting.config.num_seeds} seeds, {timing}"
                     + (f", random policy {setting.random_return:.1f}" if setting.random_return is not None else ""))
-        width, header = max(len(label) for label in sweep.labels), f"final {metric} IQM [95 % CI]"
+        # With 2 or 3 seeds the bootstrap's 2.5 and 97.5 percentiles are the lowest and highest seed.
+        interval_name = "min, max" if 2 <= setting.config.num_seeds <= 3 else "95 % CI"
+        width, header = max(len(label) for label in sweep.labels), f"final {metric} IQM [{interval_name}]"
         column = max(28, len(header))
-        text.append(f"  rank  {'point'.ljust(width)}  {header:>{column}}  {'diverged':>8}  "
+        text.append(f"  rank  point  {'label'.ljust(width)}  {header:>{column}}  {'diverged':>8}  "
                     f"{'area under curve':>18}")
-        ranking = best_first(np.array([iqm for iqm, _, _ in iqms]))
+        ranking = setting.ranking(sweep.rank_by)
         for rank, p in enumerate(ranking):
             iqm, low, high = iqms[p]
             interval = "[no CI: < 2 seeds]" if np.isfinite(iqm) and np.isnan(low) else f"[{low:.{digits}f}, {high:.{digits}f}]"
-            text.append(f"  {rank + 1:>4}  {sweep.labels[p].ljust(width)}  {f'{iqm:.{digits}f} {interval}':>{column}}  "
+            text.append(f"  {rank + 1:>4}  {p:>5}  {sweep.labels[p].ljust(width)}  "
+                        f"{f'{iqm:.{digits}f} {interval}':>{column}}  "
                         f"{f'{np.isnan(final[p]).sum()}/{final.shape[1]}':>8}  {f'{auc_mean[p]:.1f} ± {auc_std[p]:.1f}':>18}")
             hparams = sweep.hparams(setting.config)[p]
             rows.append([setting_name(sweep, i), setting.config.env, str(p), sweep.labels[p]] +
@@ -3668,8 +3768,11 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting], run_dir: str = "
                         [f"{v:.6g}" for v in (final_mean[p], final_std[p], iqm, low, high, auc_mean[p], auc_std[p])] +
                         [str(setting.config.num_seeds)])
         best = f"{i + 1}:{ranking[0]}" if len(sweep.configs) > 1 else str(ranking[0])
+        tied = sum(iqm == iqms[ranking[0]][0] for iqm, _, _ in iqms) - 1
         text.append(f"  best point's policy: {point_dir(run_dir, i, ranking[0])}/params.msgpack "
-                    f"(--eval {run_dir} --point {best})")
+                    f"(--eval {run_dir} --point {best})"
+                    + (f"; it ties with {tied} other point(s) at {iqms[ranking[0]][0]:.{digits}f}: ties rank by the "
+                       "area under the curve" if tied else ""))
     return rows, "\n".join(text)
 
 
@@ -3802,15 +3905,15 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
     for ax, (i, setting) in zip(axes, enumerate(settings)):
         steps = setting.result.metrics["env_steps"][0]
         returns = setting.per_point("episode_return")  # [points, seeds, updates]
-        ranking = best_first(setting.final_iqm(sweep.rank_by))
+        ranking = setting.ranking(sweep.rank_by)
         for rank, p in reversed(list(enumerate(ranking))):  # the best last: on top
             faint = points > FEW_POINTS and rank >= FEW_POINTS
             shown |= set() if faint else {p}
             plot_seeds(ax, steps, returns[p], sweep.labels[p], "0.75" if faint else colors[p],
                        band=points <= 4 or rank < 3, lw=2.2 if rank == 0 else 0.8 if faint else 1.1,
                        alpha=1.0 if rank < 3 else 0.5 if faint else 0.7, zorder=3 if rank == 0 else 1 if faint else 2)
-        ax.set(xlabel="environment steps (per agent)", ylabel="episode return (smoothed)",
-               title=setting_name(sweep, i))
+        ax.set(xlabel="environment steps (per agent)", ylabel="episode return (smoothed)")
+        ax.set_title(setting_title(sweep, i, wrap=48), fontsize=10)
         ax.grid(alpha=0.3)
     handles = [matplotlib.lines.Line2D([], [], color=colors[p], lw=1.5, label=sweep.labels[p]) for p in sorted(shown)]
     if len(shown) < points:
@@ -3827,7 +3930,7 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
         fig, axes = panel_grid(plt, n, 5, 3.8)
         for ax, (i, setting) in zip(axes, enumerate(settings)):
             plot_final_vs(ax, name, sweep, setting)
-            ax.set_title(setting_name(sweep, i))
+            ax.set_title(setting_title(sweep, i, wrap=48), fontsize=10)
         fig.tight_layout()  # then the legend beside the panels, however long (save_figure's tight box takes it in)
         fig.legend(*axes[-1].get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
         save_figure(fig, os.path.join(run_dir, f"final_vs_{name}.png"), dpi=110)
@@ -3917,7 +4020,7 @@ class SweepRecorder:
         self.agents, self.done, self.evaluations = len(sweep.points) * self.config.num_seeds, None, evaluations
 
     def show(self, done: int) -> None:
-        self.progress.show(self.done_before + done * self.agents, f"setting {setting_name(self.sweep, self.i)}: "
+        self.progress.show(self.done_before + done * self.agents, f"setting {setting_title(self.sweep, self.i)}: "
                            f"update {done}/{self.config.num_updates} x {self.agents} agents")
 
     def write_points(self, metrics) -> None:  # each point's rows, as a run of its seeds writes them
@@ -4011,7 +4114,7 @@ def run_sweep(sweep: Sweep, run_dir: str | None, chunk_size: int = 0, quiet: boo
                 done_before += agents * config.num_updates
                 continue
             progress.show(done_before + (start.updates_done * agents if start else 0),
-                          f"setting {setting_name(sweep, i)}: compiling")
+                          f"setting {setting_title(sweep, i)}: compiling")
             tracked = []
             if run_dir is not None:  # a tracker's run per point x seed, named by the point's values
                 names = [f"{i + 1}-{config.env}/{label.replace(', ', ',')}/seed_{seed}" for label in sweep.labels
@@ -4085,6 +4188,15 @@ def final_return(metrics: dict[str, np.ndarray], fraction: float = 0.1, name: st
         return np.sum(np.where(counts > 0, returns * counts, 0.0), axis=1) / np.sum(counts, axis=1)
 
 
+def no_final_return(finals: np.ndarray) -> str:
+    """Why final_return has no value (NaN) for some seeds: no episode of theirs ended in the last 10 %
+    of updates."""
+    which = "any seed" if np.isnan(finals).all() else "seed(s) " + " ".join(map(str, np.flatnonzero(np.isnan(finals))))
+    return (f"no final return for {which}: no episode ended in the last 10 % of updates (episodes longer than a "
+            "rollout's reach, or a policy that never ends one): train longer, or cut episodes with "
+            "--env-params max_steps_in_episode=N")
+
+
 def last_evaluation(metrics: dict[str, np.ndarray], name: str) -> tuple[np.ndarray, int]:
     """--eval-every's metric `name` at its last evaluation -> (per agent [agents], the update; 0: none)."""
     values = metrics.get(name, np.full((1, 1), np.nan))
@@ -4117,10 +4229,10 @@ def format_table(metrics: dict[str, np.ndarray], rows: int) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 
 
-def new_run_dir(requested: str | None, name: str, first_file: str, text: str) -> str:
+def new_run_dir(requested: str | None, name: str, first_file: str, text: Callable[[str], str]) -> str:
     """Create a fresh run directory (`requested`, or runs/<safe name>-<timestamp>; never an existing one)
-    holding its first file (config.json or sweep.toml), before anything compiles. One that cannot
-    be made or written is a ConfigError (exit 2) and leaves nothing behind."""
+    holding its first file (config.json or sweep.toml: text(the directory's path)), before anything
+    compiles. One that cannot be made or written is a ConfigError (exit 2) and leaves nothing behind."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", name)  # a filesystem-safe form (brax:ant -> brax_ant: no colon)
     path, suffix = requested or os.path.join("runs", f"{name}-{stamp}"), 1
@@ -4137,7 +4249,7 @@ def new_run_dir(requested: str | None, name: str, first_file: str, text: str) ->
             raise ConfigError(f"--run-dir {path}: {reason(error)}: give a directory on a writable disk") from None
     try:
         with writing(os.path.join(path, first_file)), open(os.path.join(path, first_file), "x") as f:
-            f.write(text)
+            f.write(text(path))
     except WriteError as error:
         with contextlib.suppress(OSError):
             os.remove(os.path.join(path, first_file))
@@ -4248,25 +4360,33 @@ def plot(function, *args) -> None:
         print(f"warning: {error} (the plot is skipped; the data are saved)", file=sys.stderr)
 
 
-def plot_seeds(ax, steps, returns, label: str, color=None, band: bool = True, **line) -> None:
+def plot_seeds(ax, steps, returns, label: str, color=None, band: bool = True, seed_lines: bool = False,
+               **line) -> bool:
     """One curve from returns [seeds, updates]: each seed smoothed by a moving average over ~2 % of
-    the updates (NaN-aware: updates where no episode ended are left out), then the mean over seeds,
-    shaded (band) from the lowest to the highest seed. `line`: matplotlib's options for the curve."""
+    the updates (NaN-aware: updates where no episode ended are left out), then the mean over seeds
+    where every seed has a value (a mean of the seeds that happen to have one would jump between
+    them), shaded (band) from the lowest to the highest seed wherever two have one; seed_lines: each
+    seed thin as well. `line`: matplotlib's options for the curve. -> whether any seed had a value."""
     window = max(1, returns.shape[1] // 50)
     kernel = np.ones(window)
     finite = np.isfinite(returns)
     convolve = lambda rows: np.stack([np.convolve(row, kernel, "same") for row in rows])  # noqa: E731
     with np.errstate(invalid="ignore"):
         smoothed = convolve(np.where(finite, returns, 0.0)) / convolve(finite.astype(float))
-    seen = np.any(np.isfinite(smoothed), axis=0)
-    if not np.any(seen):
-        return
+    have = np.isfinite(smoothed).sum(axis=0)
+    every, several = have == len(smoothed), have >= 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        ax.plot(steps[seen], np.nanmean(smoothed[:, seen], 0), color=color, label=label, **{"lw": 1.3, **line})
-        if band and returns.shape[0] > 1:
-            ax.fill_between(steps[seen], np.nanmin(smoothed[:, seen], 0), np.nanmax(smoothed[:, seen], 0), color=color,
+        if seed_lines and len(smoothed) > 1:
+            for seed in smoothed:
+                ax.plot(steps, seed, color=color, lw=0.5, alpha=0.45, zorder=line.get("zorder", 1) - 0.25)
+        if every.any():
+            ax.plot(np.where(every, steps, np.nan), np.where(every, np.nanmean(smoothed, 0), np.nan), color=color,
+                    label=label, **{"lw": 1.3, **line})
+        if band and several.any():
+            ax.fill_between(steps, np.nanmin(smoothed, 0), np.nanmax(smoothed, 0), where=several, color=color,
                             alpha=0.15, zorder=line.get("zorder", 1) - 0.5)
+    return bool(have.any())
 
 
 def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:
@@ -4279,7 +4399,10 @@ def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     returns = metrics["episode_return"]
     seeds = returns.shape[0]
-    plot_seeds(ax, metrics["env_steps"][0], returns, f"mean of {seeds} seeds, shaded min-max" if seeds > 1 else "1 seed")
+    label = f"mean of the {seeds} seeds (where each has a return), shaded min-max, thin: each seed" if seeds > 1 else "1 seed"
+    if not plot_seeds(ax, metrics["env_steps"][0], returns, label, "C0", seed_lines=True, lw=1.8):
+        ax.text(0.5, 0.5, "no episode ended in this run", transform=ax.transAxes, ha="center", va="center", color="0.4")
+        ax.set_xlim(0, metrics["env_steps"][0, -1])
     for name, marker, what in (("eval_return", "o", "sampled"), ("eval_return_deterministic", "s", "the mode")):
         evaluated = np.isfinite(metrics.get(name, np.full(returns.shape, np.nan))).any(axis=0)
         if evaluated.any():  # --eval-every's evaluations: complete episodes, unsmoothed
@@ -4289,7 +4412,8 @@ def plot_curve(path: str, metrics: dict[str, np.ndarray], title: str) -> None:
                         ms=4, ls="--", lw=0.8, label=f"--eval-every: {what}, mean of {seeds}")
     ax.set(xlabel="environment steps (per seed)", ylabel="episode return (smoothed)", title=title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
 
@@ -4300,10 +4424,13 @@ def write_outputs(run_dir: str, config: Config, result: RunResult, status: str =
     atomically (metrics.csv and the checkpoint are written after every chunk) -> each seed's summary
     (for the trackers)."""
     finals = final_return(result.metrics)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no seed's episode ended: NaN, written null
+        mean = float(np.nanmean(finals))
     summary = {
         "status": status,  # complete, interrupted (resume it with --resume) or diverged at update N
-        "final_return_per_seed": [float(x) for x in finals],
-        "final_return_mean": float(np.nanmean(finals)),
+        "final_return_per_seed": [float(x) for x in finals],  # null: no episode ended (final_return_note)
+        "final_return_mean": mean,
         "env_steps_per_seed": int(result.metrics["env_steps"][0, -1]),
         "updates_done": int(result.metrics["env_steps"].shape[1]),
         "num_updates": config.num_updates,
@@ -4314,6 +4441,8 @@ def write_outputs(run_dir: str, config: Config, result: RunResult, status: str =
         "jax": jax.__version__,
         "device": str(jax.devices()[0]),
     }
+    if np.isnan(finals).any():
+        summary["final_return_note"] = no_final_return(finals)
     for name in EVAL_METRICS:  # --eval-every: the last evaluation, per seed, and at which update
         values, update = last_evaluation(result.metrics, name)
         if update:
@@ -4322,7 +4451,7 @@ def write_outputs(run_dir: str, config: Config, result: RunResult, status: str =
     if result.state is not None:  # None: diverged in its first chunk, no finite policy to keep
         final_policy = Policy(result.state.params, result.state.obs_stats)  # leading [num_seeds] axis
         write_atomically(os.path.join(run_dir, "params.msgpack"), serialization.to_bytes(jax.device_get(final_policy)))
-    write_atomically(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2).encode())
+    write_atomically(os.path.join(run_dir, "summary.json"), json_text(summary).encode())
     if curve:
         plot(plot_curve, os.path.join(run_dir, "curve.png"), result.metrics, f"PPO on {config.env}")
     del summary["final_return_per_seed"], summary["final_return_mean"]
@@ -4705,6 +4834,9 @@ class TrainedPolicy:
     def act(self, obs, key=None):
         obs = jnp.asarray(obs)
         single = obs.ndim == len(self.env.obs_shape)
+        if obs.shape[obs.ndim - len(self.env.obs_shape):] != self.env.obs_shape or obs.ndim > len(self.env.obs_shape) + 1:
+            raise ValueError(f"act: an observation of {self.config.env} has shape {self.env.obs_shape} (a batch: "
+                             f"[n, {', '.join(map(str, self.env.obs_shape))}]); got {obs.shape}")
         flat = self.env._flat(obs[None] if single else obs)
         first = jnp.full(len(flat), self.hidden is None)
         hidden = initial_hidden(self.network, len(flat)) if self.hidden is None else self.hidden
@@ -4805,8 +4937,10 @@ def render_program(config: Config, deterministic: bool):
     return episode
 
 
-def render_episode(config: Config, policy: Policy, path: str, deterministic: bool, seed: int = 0) -> int:
-    """Write one episode of `policy` (one seed) as a GIF with gymnax's visualizer; returns its length."""
+def render_episode(config: Config, policy: Policy, path: str, deterministic: bool, seed: int = 0,
+                   quiet: bool = False) -> int:
+    """Write one episode of `policy` (one seed) as a GIF with gymnax's visualizer; returns its length.
+    quiet: no progress line."""
     from gymnax.visualize import Visualizer
 
     env = VecEnv(config.env, 1, config.env_params)
@@ -4820,7 +4954,7 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # gymnasium's classic-control renderer starts pygame:
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # no sound card or display needed
     temporary = f"{path}.tmp{os.getpid()}.gif"
-    progress, every = Progress(length), max(1, length // 50)
+    progress, every = Progress(length, quiet=quiet), max(1, length // 50)
 
     class Drawing(Visualizer):  # gymnax's, moving the progress line as it draws (a frame takes ~0.1 s)
         def update(self, frame):
@@ -5108,6 +5242,10 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     """Two passes: read --env first, then let tyro parse everything with that env's defaults (so
     `--env Pendulum-v1 --help` shows Pendulum's defaults)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        check_flag_words(argv)
+    except ConfigError as error:
+        fail(error)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=Config.env)
     env_id = pre.parse_known_args(argv)[0].env
@@ -5122,6 +5260,28 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         raise
     sys.stderr.write(captured.getvalue())
     return config
+
+
+# Flags as other PPO code names them (CleanRL, Stable-Baselines3) -> ppo_jax's.
+FLAG_SYNONYMS = {"--learning-rate": "--lr", "--clip-coef": "--clip-eps", "--clip-range": "--clip-eps",
+                 "--env-id": "--env", "--n-envs": "--num-envs", "--n-steps": "--num-steps", "--n-epochs": "--update-epochs",
+                 "--batch-size": "--num-minibatches (minibatches per epoch)", "--wandb-project-name": "--wandb-project",
+                 "--track": "--wandb-project NAME", "--capture-video": "--eval RUN_DIR --render out.gif"}
+
+
+def check_flag_words(argv: Sequence[str]) -> None:
+    """Before tyro reads argv: a flag named as other PPO code names it, and a yes/no flag given a
+    value (--norm-adv yes), each refused in one line that says what to write instead."""
+    switches = {flag(f.name) for kind in (Config, HParams) for f in dataclasses.fields(kind) if isinstance(f.default, bool)}
+    for i, token in enumerate(argv):
+        name, equals, value = token.partition("=")
+        if name in FLAG_SYNONYMS:
+            raise ConfigError(f"{name}: ppo_jax calls it {FLAG_SYNONYMS[name]} (python ppo_jax.py --help lists every flag)")
+        positive = "--" + name[len("--no-"):] if name.startswith("--no-") else name
+        following = value if equals else argv[i + 1] if i + 1 < len(argv) else ""
+        if positive in switches and (equals or following and not following.startswith("-")):
+            raise ConfigError(f"{name} takes no value ({following!r}): {positive} turns it on, "
+                              f"--no-{positive[2:]} off")
 
 
 def one_line_parse_error(text: str) -> str:
@@ -5177,16 +5337,32 @@ def load_run_config(run_dir: str, flag_name: str) -> Config:
             fields[name] = tuple(fields.get(name, ()))
         return Config(**fields, hparams=hparams)
     except FileNotFoundError:
-        raise ConfigError(f"{flag_name} {run_dir}: no config.json there: not a ppo_jax run directory (sweep "
-                          "directories cannot be resumed or evaluated as a whole)") from None
+        raise ConfigError(f"{flag_name} {run_dir}: {not_a_run(run_dir, flag_name)}") from None
     except (ValueError, TypeError, KeyError, AttributeError) as error:
         raise ConfigError(f"{flag_name} {run_dir}: config.json is not a ppo_jax config ({error})") from None
+
+
+def not_a_run(path: str, flag_name: str) -> str:
+    """Why `path` (a directory without config.json) is not a run directory, and which one to give."""
+    parent = os.path.dirname(os.path.abspath(path))
+    setting = re.fullmatch(r"setting-(\d+)", os.path.basename(os.path.abspath(path)))
+    if setting and is_sweep_dir(parent):
+        if flag_name == "--resume":
+            return f"a static setting of the sweep in {parent}: resume the sweep, --resume {parent}"
+        return (f"a static setting of the sweep in {parent}: evaluate one of its points, --eval {parent} --point "
+                f"{setting.group(1)}:K (or --eval {os.path.join(path, 'point-K')})")
+    with contextlib.suppress(OSError):
+        runs = sorted(entry.path for entry in os.scandir(path) if entry.is_dir() and (
+            os.path.isfile(os.path.join(entry.path, "config.json")) or is_sweep_dir(entry.path)))
+        if runs:
+            return (f"a folder of {len(runs)} runs or sweeps, not one: give one of them, e.g. {flag_name} {runs[-1]}")
+    return "no config.json there: not a ppo_jax run directory (a run or a sweep's point-K directory)"
 
 
 RESUME_FLAGS = {"resume", "table_rows", "compile_cache", "checkpoint_every", "quiet", "sweep_chunk", *DISTRIBUTED_FIELDS}
 
 
-EVAL_FLAGS = {"eval", "episodes", "point", "deterministic", "render", "params_index", "seed", "compile_cache"}
+EVAL_FLAGS = {"eval", "episodes", "point", "deterministic", "render", "params_index", "seed", "compile_cache", "quiet"}
 
 
 def check_flags(argv: Sequence[str], allowed: set[str], flag_name: str, run_dir: str) -> None:
@@ -5196,8 +5372,9 @@ def check_flags(argv: Sequence[str], allowed: set[str], flag_name: str, run_dir:
                           f"{' '.join(flag(name) for name in extra)} (it may take {' '.join(sorted(map(flag, allowed)))})")
 
 
-def resume_config(cli: Config, argv: Sequence[str]) -> tuple[Config, Checkpoint]:
-    """The run to continue: RUN_DIR's config.json with the run-only flags given now, and its checkpoint."""
+def resume_config(cli: Config, argv: Sequence[str]) -> tuple[Config, Checkpoint | None]:
+    """The run to continue: RUN_DIR's config.json with the run-only flags given now, and its checkpoint
+    (None: it stopped before its first one, and starts again)."""
     check_flags(argv, RESUME_FLAGS, "--resume", cli.resume)
     sweep_dir = os.path.dirname(os.path.dirname(os.path.abspath(cli.resume)))
     if is_sweep_dir(sweep_dir):
@@ -5215,12 +5392,15 @@ def resume_config(cli: Config, argv: Sequence[str]) -> tuple[Config, Checkpoint]
     if status.startswith("diverged"):
         raise ConfigError(f"--resume {cli.resume}: that run {status}; it would diverge again from its last "
                           "checkpoint. Start a new run (e.g. a lower --lr, or --init-params RUN_DIR/params.msgpack)")
-    checkpoint = load_checkpoint(cli.resume, config)
+    # Stopped before its first checkpoint (nothing written but config.json): the run starts again there.
+    fresh = not any(os.path.exists(os.path.join(cli.resume, name)) for name in (CHECKPOINT, "summary.json")) and \
+        last_update_in_csv(os.path.join(cli.resume, "metrics.csv")) == 0
+    checkpoint = None if fresh else load_checkpoint(cli.resume, config)
     if not os.access(cli.resume, os.W_OK):
         raise ConfigError(f"--resume {cli.resume}: the directory is not writable (a read-only file system?): "
                           "make it writable, or copy it to a writable disk and resume the copy")
     written = status == "complete" and os.path.exists(os.path.join(cli.resume, "params.msgpack"))
-    if checkpoint.updates_done >= config.num_updates and written:  # (else: it writes the outputs a fault cut off)
+    if not fresh and checkpoint.updates_done >= config.num_updates and written:  # (else: it writes the outputs a fault cut off)
         raise ConfigError(f"--resume {cli.resume}: that run is complete ({checkpoint.updates_done}/"
                           f"{config.num_updates} updates): nothing to resume")
     return config, checkpoint
@@ -5308,6 +5488,11 @@ def run_eval(cli: Config, argv: Sequence[str]) -> np.ndarray:
             raise ConfigError(f"--render {cli.render}: give a path ending in .gif")
         if os.path.exists(cli.render):
             raise ConfigError(f"--render {cli.render} already exists: pick a new path (nothing is overwritten)")
+        folder = os.path.dirname(os.path.abspath(cli.render))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--render {cli.render}: no directory {folder}: create it, or give a path in one")
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"--render {cli.render}: {folder} is not writable: give a path in a writable directory")
     env = make_env(config)
     network = make_network(config, env)
     policies = read_policies(config, env, network, os.path.join(cli.eval, "params.msgpack"), f"--eval {cli.eval}:")
@@ -5325,7 +5510,9 @@ def run_eval(cli: Config, argv: Sequence[str]) -> np.ndarray:
     save_eval(cli, config, returns)
     if cli.render is not None:
         policy = jax.tree.map(lambda x: x[cli.params_index], policies)
-        length = render_episode(config, policy, cli.render, cli.deterministic, cli.seed)
+        print(f"rendering seed {cli.params_index}'s episode to {cli.render} (gymnax draws each frame: seconds to "
+              "minutes)", flush=True)
+        length = render_episode(config, policy, cli.render, cli.deterministic, cli.seed, cli.quiet)
         print(f"rendered seed {cli.params_index}'s episode of {length} steps: {cli.render}")
     return returns
 
@@ -5337,12 +5524,11 @@ def save_eval(cli: Config, config: Config, returns: np.ndarray) -> None:
     path, n = os.path.join(cli.eval, f"eval-{stamp}.json"), 2
     while os.path.exists(path):
         path, n = os.path.join(cli.eval, f"eval-{stamp}-{n}.json"), n + 1
-    finite = lambda values: [None if math.isnan(v) else float(v) for v in values]  # noqa: E731
     record = {"env": config.env, "episodes": cli.episodes, "deterministic": cli.deterministic, "seed": cli.seed,
               "mean": float(np.nanmean(returns)), "std": float(np.nanstd(returns)),
-              "mean_per_seed": finite(np.nanmean(returns, axis=1)), "returns": [finite(row) for row in returns]}
+              "mean_per_seed": np.nanmean(returns, axis=1).tolist(), "returns": returns.tolist()}
     try:
-        write_atomically(path, json.dumps(record, indent=2).encode())
+        write_atomically(path, json_text(record).encode())
         print(f"saved: {path}")
     except WriteError as error:
         print(f"warning: {error} (the returns above are not saved)", file=sys.stderr)
@@ -5477,6 +5663,9 @@ def run_command(config: Config, argv: list[str]):
         elif config.resume:
             config, start = resume_config(config, argv)
             run_dir = config.resume if writer else None
+            if start is None:
+                print(f"{config.resume} has no checkpoint yet (stopped before its first chunk ended): the run "
+                      "starts again there")
         elif config.sweep or config.sweep_set:
             sweep = load_sweep(config, command_line_overrides(argv, config))
             if "rank_by" in explicit_fields(argv):
@@ -5485,12 +5674,13 @@ def run_command(config: Config, argv: list[str]):
             if writer:
                 check_run_dir_is_new(config.run_dir)
                 run_dir = new_run_dir(config.run_dir, f"sweep-{sweep.name}", "sweep.toml",
-                                      resolved_sweep_toml(sweep, config.sweep or "--sweep-set"))
+                                      lambda _: resolved_sweep_toml(sweep, config.sweep or "--sweep-set"))
         else:
             validate(config, check_run_dir=writer)
             if writer:
                 run_dir = new_run_dir(config.run_dir, config.env, "config.json",
-                                      config_json(config))
+                                      lambda path: config_json(dataclasses.replace(config, run_dir=path)))
+                config = dataclasses.replace(config, run_dir=run_dir)
         refused = None
     except ConfigError as error:
         refused = error
@@ -5553,9 +5743,11 @@ def run_command(config: Config, argv: list[str]):
     finals = final_return(result.metrics)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # no episode ended yet
-        shown = lambda x: f"{x:.1f}" if not abs(x) < 10 else f"{x:.3g}"  # noqa: E731  (MiniGrid's returns: < 1)
+        shown = lambda x: "none" if np.isnan(x) else f"{x:.1f}" if not abs(x) < 10 else f"{x:.3g}"  # noqa: E731  (MiniGrid's returns: < 1)
         print(f"final return (last 10% of updates): {shown(np.nanmean(finals))}"
               + (f"  per seed: {' '.join(shown(x) for x in finals)}" if len(finals) > 1 else ""))
+    if np.isnan(finals).any():
+        print(f"  ({no_final_return(finals)})")
     if writer and penalty_collapsed(config.hparams.kl_target, result.metrics).any():
         print(f"warning: {PENALTY_COLLAPSED}", file=sys.stderr)
     print(f"compile {result.lower_seconds + result.compile_seconds:.1f} s (lower {result.lower_seconds:.1f} + "

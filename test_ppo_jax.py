@@ -1781,6 +1781,21 @@ def test_init_and_ref_params_load_a_saved_policy(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--init-params" in err and "shape" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+    # A run directory for its params.msgpack; another env's policy named as such.
+    config = tiny_config(hidden_sizes=(8,), init_params=str(saved), total_timesteps=4 * 32)
+    state, _ = TrainPrograms(config)(jax.random.PRNGKey(1), dataclasses.replace(config.hparams, lr=1e-12))
+    np.testing.assert_allclose(state.params["params"]["actor_0"]["kernel"],
+                               restored["params"]["params"]["actor_0"]["kernel"][0], atol=1e-6)
+    pendulum = tmp_path / "pendulum"
+    P.main(["--env", "Pendulum-v1", "--total-timesteps", "512", "--num-steps", "32", "--num-envs", "4",
+            "--num-minibatches", "4", "--hidden-sizes", "8", "--run-dir", str(pendulum), "--quiet"])
+    capsys.readouterr()
+    for argv, words in ((["--init-params", str(pendulum)], ["a policy of Pendulum-v1", "on CartPole-v1"]),
+                        (["--ref-params", str(tmp_path)], ["a directory without params.msgpack"])):
+        with pytest.raises(SystemExit):
+            P.main(["--hidden-sizes", "8", *argv, "--run-dir", str(tmp_path / "x")])
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and all(word in err for word in words), err
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1824,6 +1839,30 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
                  "--gae-lambda", "--max-grad-norm", "--anneal-lr", "--activation", "--hidden-sizes", "--run-dir"):
         assert flag in out, flag
     assert "1000000" in out  # Pendulum's total-timesteps default
+    # What --help says agrees with the README: --env names every suite's prefix, and sweeps take --eval-every.
+    row = lambda start, end: " ".join(out[out.index(start):out.index(end)].replace("│", " ").split())  # noqa: E731
+    env_help = row("--env STR", "--env-params [STR")
+    for prefix in (P.BRAX_PREFIX, P.PLAYGROUND_PREFIX, P.XMINIGRID_PREFIX, P.JUMANJI_PREFIX, P.CRAFTAX_PREFIX):
+        assert f"{prefix}NAME" in env_help, prefix
+    eval_every = row("--eval-every INT", "--eval-episodes INT")
+    assert "not sweeps" not in eval_every and "A sweep evaluates every point" in eval_every
+
+
+def test_default_config_refuses_an_unknown_field_and_act_an_observation_of_another_shape(tmp_path):
+    """From Python, as the README says: a field that Config or HParams does not have is a ConfigError
+    (with the name it is close to), not a TypeError; a trained policy's act() names the shape it
+    takes."""
+    with pytest.raises(P.ConfigError, match=r"'num_env' is not a Config field; did you mean 'num_envs'\?"):
+        P.default_config("Pendulum-v1", num_env=4)
+    with pytest.raises(P.ConfigError, match=r"'learning_rate' is not a HParams field"):
+        P.default_config("Pendulum-v1", hparams=dict(learning_rate=1e-3))
+    with pytest.raises(P.ConfigError, match=r"'lr' is not a Config field.*hparams=dict"):
+        P.default_config("Pendulum-v1", lr=1e-3)
+    policy = P.run(tiny_config(total_timesteps=128, num_steps=32, hidden_sizes=(8,))).policy(0)
+    assert policy.act(np.zeros(4)).shape == () and policy.act(np.zeros((3, 4))).shape == (3,)
+    for wrong in (np.zeros(3), np.zeros((2, 5)), np.zeros((2, 2, 4))):
+        with pytest.raises(ValueError, match=r"act: an observation of CartPole-v1 has shape \(4,\)"):
+            policy.act(wrong)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -1874,6 +1913,12 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     (["--activation", "sigmoid"], ["--activation", "'sigmoid'", "'tanh', 'relu'"]),
     (["--ref-kl-estimator", "k4"], ["--ref-kl-estimator", "'k4'", "'k3'"]),
     (["--lr"], ["--lr", "Missing value"]),
+    # Names other PPO code gives its flags, and sweeps the flags cannot run.
+    (["--learning-rate", "1e-3"], ["--learning-rate", "ppo_jax calls it --lr"]),
+    (["--clip-coef", "0.1"], ["--clip-coef", "--clip-eps"]),
+    (["--sweep-set", "num_envs=4,8"], ["--sweep-set", "num_envs is static", "[[static]]"]),
+    (["--sweep-set", "lr=1e-3", "--sweep-set", "lr=0.001"], ["--sweep-set", "lr=0.001 is given twice"]),
+    (["--sweep-set", "lrr=1e-3"], ["--sweep-set", "did you mean lr?"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -1990,6 +2035,7 @@ def test_sigterm_leaves_a_checkpoint_and_the_resumed_run_is_bit_identical(interr
     stopped = resumable_copy(interrupted_run, tmp_path, "stopped")
     assert interrupted_run.code == 143
     assert f"--resume {interrupted_run.stopped}" in interrupted_run.err and "SIGTERM" in interrupted_run.err
+    assert "(a SIGINT (Ctrl-C): stop now and lose the chunk)" in interrupted_run.err  # not "Ctrl-C again"
     config = P.load_run_config(str(stopped), "--resume")
     checkpoint = P.load_checkpoint(str(stopped), config)
     assert 5 <= checkpoint.updates_done < 200 and checkpoint.updates_done % 5 == 0
@@ -2134,8 +2180,9 @@ def test_bad_resume_and_eval_inputs_are_one_line_and_change_nothing(tmp_path, ca
         (["--resume", str(corrupt)], ["corrupt"]),
         (["--resume", str(foreign)], ["--hidden-sizes", "[8]", "[16]"]),
         (["--resume", str(no_checkpoint)], ["cannot read checkpoint.msgpack"]),
-        (["--resume", str(tmp_path)], ["no config.json"]),
+        (["--resume", str(tmp_path)], ["a folder of 4 runs or sweeps", f"e.g. --resume {run_dir}"]),
         (["--eval", str(run_dir), "--render", str(tmp_path / "taken.gif")], ["--render", "already exists"]),
+        (["--eval", str(run_dir), "--render", str(tmp_path / "none" / "x.gif")], ["--render", "no directory", "none"]),
         (["--eval", str(run_dir), "--render", str(tmp_path / "out.mp4")], ["--render", ".gif"]),
         (["--eval", str(run_dir), "--episodes", "0"], ["--episodes", "positive"]),
         (["--eval", str(foreign)], ["--eval", "shape"]),
@@ -2149,6 +2196,101 @@ def test_bad_resume_and_eval_inputs_are_one_line_and_change_nothing(tmp_path, ca
         for word in words:
             assert word in err, (argv, word, err)
     assert directory_bytes(tmp_path) == before
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_resume(tmp_path):
+    """What a kill before the first checkpoint leaves (config.json alone: run_command writes it before
+    compiling): --resume starts the run again there and ends as a run never stopped; --run-dir on it
+    is refused in one line that names --resume."""
+    argv = ["--total-timesteps", "1024", "--num-steps", "32", "--hidden-sizes", "8", "--quiet", "--table-rows", "0"]
+    config = P.parse_config(argv)
+    stopped = P.new_run_dir(str(tmp_path / "stopped"), config.env, "config.json",
+                            lambda path: P.config_json(dataclasses.replace(config, run_dir=path)))
+    refused = cli([*argv, "--run-dir", stopped])
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"--run-dir {stopped} already holds a run: continue it with --resume {stopped}" in refused.stderr
+    resumed = cli(["--resume", stopped, "--quiet"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "has no checkpoint yet" in resumed.stdout and "starts again" in resumed.stdout
+    P.main([*argv, "--run-dir", str(tmp_path / "never")])
+    for name in ("metrics.csv", "params.msgpack", "checkpoint.msgpack"):
+        assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "never" / name).read_bytes(), name
+
+
+def test_eval_checks_the_render_path_first_takes_quiet_and_says_it_draws(tmp_path):
+    """--eval --render into a directory that does not exist: one line, exit 2, before evaluating
+    (nothing printed or saved); --quiet is taken (no progress line while the frames are drawn), and
+    a line says the drawing has begun before it does."""
+    run_dir = tmp_path / "run"
+    P.main(["--total-timesteps", "128", "--num-steps", "32", "--hidden-sizes", "8", "--run-dir", str(run_dir),
+            "--quiet"])
+    missing = cli(["--eval", str(run_dir), "--render", str(tmp_path / "none" / "x.gif")])
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no directory" in missing.stderr
+    assert "ppo_jax eval" not in missing.stdout and not list(run_dir.glob("eval-*.json"))
+    gif = tmp_path / "episode.gif"
+    quiet = cli(["--eval", str(run_dir), "--episodes", "2", "--render", str(gif), "--quiet"])
+    assert quiet.returncode == 0, quiet.stderr
+    assert gif.exists() and "rendering frame" not in quiet.stdout
+    said, done = quiet.stdout.index("rendering seed 0's episode to"), quiet.stdout.index("rendered seed 0's episode")
+    assert said < done
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as strict parsers (JavaScript's, jq) do."""
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_run_where_no_episode_ended_says_why_and_writes_strict_json(tmp_path):
+    """MountainCar's episodes last 200 steps and this run takes 128 per env: the final return is
+    "none" with the reason, summary.json holds null and a note (strict JSON: no bare NaN), config.json
+    reads back as strict JSON too (inf as 1e999) with the directory the run was given (auto-named
+    here), and curve.png says that no episode ended."""
+    argv = ["--env", "MountainCar-v0", "--total-timesteps", "512", "--num-steps", "32", "--hidden-sizes", "8",
+            "--table-rows", "0", "--quiet"]
+    done = subprocess.run([sys.executable, "-u", P.__file__, *argv], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "final return (last 10% of updates): none" in done.stdout and "no episode ended" in done.stdout
+    run_dir, = (tmp_path / "runs").iterdir()
+    summary = strict_json((run_dir / "summary.json").read_text())
+    assert summary["final_return_mean"] is None and summary["final_return_per_seed"] == [None]
+    assert "no episode ended in the last 10 % of updates" in summary["final_return_note"]
+    config = strict_json((run_dir / "config.json").read_text())
+    assert config["run_dir"] == os.path.join("runs", run_dir.name) and config["hparams"]["clip_reward"] == math.inf
+    assert P.load_run_config(str(run_dir), "--eval").hparams.clip_reward == math.inf
+    assert (run_dir / "curve.png").stat().st_size > 0
+
+
+def curve_of(monkeypatch, metrics):
+    """plot_curve's figure, as drawn (read back from matplotlib)."""
+    figures = []
+    monkeypatch.setattr(P, "save_figure", lambda fig, path, dpi: figures.append(fig))
+    P.plot_curve("curve.png", metrics, "title")
+    return figures[0].axes[0]
+
+
+def test_curve_averages_only_where_every_seed_has_a_return_and_draws_the_spread(monkeypatch):
+    """curve.png: the mean line is drawn only where every seed has a (smoothed) return, never a mean of
+    whichever seeds happen to have one; the min-max band and each seed's own line show the spread;
+    the legend says what the line is. A run where no episode ended says so."""
+    rng = np.random.default_rng(1)
+    returns = -500 + np.cumsum(rng.normal(4, 10, (4, 120)), axis=1)
+    returns[:, :10] = np.nan
+    returns[3, 8:10] = -355.0  # seed 3 alone ends episodes early (the issue's Acrobot curve)
+    returns[0, :25] = np.nan
+    steps = np.tile(np.arange(1, 121) * 4096.0, (4, 1))
+    ax = curve_of(monkeypatch, {"episode_return": returns, "env_steps": steps, "episodes": np.isfinite(returns) * 1.0})
+    mean, = [line for line in ax.get_lines() if line.get_label().startswith("mean of the 4 seeds")]
+    drawn = np.isfinite(mean.get_ydata())
+    first_of_all = np.flatnonzero(np.isfinite(returns).all(axis=0))[0]
+    assert drawn.any() and not drawn[:first_of_all - 1].any()  # (a smoothing window of 2 updates)
+    seeds = [line for line in ax.get_lines() if line.get_label().startswith("_")]
+    assert len(seeds) == 4 and len(ax.collections) == 1  # each seed, and the band
+    none = np.full((2, 120), np.nan)
+    ax = curve_of(monkeypatch, {"episode_return": none, "env_steps": steps[:2], "episodes": np.zeros((2, 120))})
+    assert [text.get_text() for text in ax.texts] == ["no episode ended in this run"]
 
 
 def replay_eval_episodes(run_dir, episodes: int, eval_seed: int, choose) -> np.ndarray:
@@ -2255,11 +2397,30 @@ def test_learns_at_the_tuned_defaults_of_each_env(tmp_path, env, published, floo
     assert P.iqm(returns) >= floor and np.sum(returns >= floor - 15) >= 6, returns
 
 
-@pytest.mark.parametrize("flags", [["--dual-clip", "3"], ["--clip-eps-high", "0.28"]])
+def readme_command(start: str) -> list[str]:
+    """The flags of the README's command line that begins with `start` (its comment left out)."""
+    line = next(line for line in open(README).read().splitlines() if line.startswith(start))
+    return line.split("#")[0].split()[2:]
+
+
+def test_readme_dual_clip_example_binds(tmp_path):
+    """The README's dual-clip example acts: its run (at 1e5 steps) is the same run as without
+    --dual-clip until an update where a ratio passed c and the bound held it (clip_frac counts it)."""
+    argv = readme_command("python ppo_jax.py --lr 1e-2 --dual-clip 3")
+    assert argv[argv.index("--dual-clip") + 1] == "3"
+    without = [arg for i, arg in enumerate(argv) if "--dual-clip" not in argv[max(0, i - 1):i + 1]]
+    tiny = ["--total-timesteps", "100000", "--quiet", "--table-rows", "0"]
+    dual = P.main([*argv, *tiny, "--run-dir", str(tmp_path / "dual")]).metrics["clip_frac"][0]
+    plain = P.main([*without, *tiny, "--run-dir", str(tmp_path / "plain")]).metrics["clip_frac"][0]
+    first = np.flatnonzero(dual != plain)[0]  # (an update without a binding dual clip is the same update)
+    assert dual[first] > plain[first] and np.array_equal(dual[:first], plain[:first])
+
+
+@pytest.mark.parametrize("flags", [readme_command("python ppo_jax.py --lr 1e-2 --dual-clip 3"), ["--clip-eps-high", "0.28"]])
 @pytest.mark.optimised
 def test_learns_cartpole_with_a_descendant_of_the_clip(tmp_path, flags):
-    """Dual-clip (c = 3) and DAPO's clip-higher (0.28) each learn CartPole-v1 at the classic config's
-    5e5 steps, 2 seeds, as the clipped surrogate does."""
+    """Dual-clip (c = 3, the README's example, where it binds) and DAPO's clip-higher (0.28) each learn
+    CartPole-v1 at the classic config's 5e5 steps, 2 seeds, as the clipped surrogate does."""
     result = P.main(flags + ["--num-seeds", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--table-rows", "0"])
     finals = P.final_return(result.metrics)
     print(f"CartPole-v1 {' '.join(flags)} final return per seed: {finals}")
@@ -2373,12 +2534,14 @@ def test_brax_missing_or_unknown_is_one_line(monkeypatch, capsys):
     monkeypatch.undo()
     pytest.importorskip("brax")
     for argv, words in [(["--env", "brax:antt"], ["brax:antt", "brax:ant,"]),
+                        (["--env", "brax:"], ["brax:hopper", "brax:ant"]),
                         (["--env", "brax:ant", "--env-params", "backend=physx"], ["backend=physx", "mjx"]),
                         (["--env", "brax:swimmer"], ["brax:swimmer", "jnp.clip", "another Brax env"])]:
         with pytest.raises(SystemExit):
             P.main(argv)
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and all(word in err for word in words), err
+        assert argv[1] == "brax:swimmer" or not {"brax:swimmer", "brax:fast"} & set(re.findall(r"brax:\w+", err))
 
     def refuses(name, backend):  # as Brax's own envs refuse a backend they do not support (swimmer did)
         raise ValueError(f"Unsupported backend: {backend}.")
@@ -2528,7 +2691,7 @@ def check_suite_front_door(tmp_path, capsys, monkeypatch, env_id: str, listed: s
                                                       f"requirements-{package}.txt")):
         P.check_env_id(env_id)
     monkeypatch.chdir(tmp_path)
-    assert P.new_run_dir(None, env_id, "config.json", "{}").startswith(os.path.join("runs", env_id.replace(":", "_") + "-"))
+    assert P.new_run_dir(None, env_id, "config.json", lambda _: "{}").startswith(os.path.join("runs", env_id.replace(":", "_") + "-"))
 
 
 def test_playground_adapter_steps_as_the_suite_does_across_limits_and_a_failed_physics(tmp_path, capsys, monkeypatch):
@@ -3364,7 +3527,7 @@ kl_target = [0.01]
     assert len(rows) == 1 + 3 * 2 and "final_return" in rows[0] and "auc" in rows[0]
     summary = (run_dir / "summary.csv").read_text().splitlines()
     assert len(summary) == 1 + 3 and summary[0].startswith("static,env,point,label,")
-    assert "final_iqm,final_ci_low,final_ci_high" in summary[0] and "IQM [95 % CI]" in out
+    assert "final_iqm,final_ci_low,final_ci_high" in summary[0] and "IQM [min, max]" in out  # (2 seeds)
     # The resolved spec runs the same configs and points again.
     again = resolve(tomllib.loads((run_dir / "sweep.toml").read_text()))
     original = resolve(tomllib.loads(spec.read_text()), ["--num-seeds", "2"])
@@ -3381,6 +3544,71 @@ def test_sweep_set_flags(tmp_path):
     assert sweep.points[-1] == {"lr": 1e-3, "clip_eps": 0.3}
     with pytest.raises(SystemExit):
         P.main(["--sweep-set", "lr=fast"])
+
+
+def test_sweep_set_runs_the_yes_no_points_asked_and_a_repeated_name_adds_its_values(tmp_path):
+    """--sweep-set norm_adv=yes,no runs a point with normalised advantages and one without (an
+    unknown word is refused, never read as no), and a name given twice runs the values of both."""
+    done = cli(["--total-timesteps", "256", "--num-steps", "32", "--hidden-sizes", "8", "--quiet", "--table-rows",
+                "0", "--sweep-set", "norm_adv=yes,no", "--sweep-set", "lr=1e-3", "--sweep-set", "lr=3e-3",
+                "--run-dir", str(tmp_path / "sweep")])
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "results.csv")))
+    assert sorted((row["norm_adv"], float(row["lr"])) for row in rows) == [
+        ("false", 1e-3), ("false", 3e-3), ("true", 1e-3), ("true", 3e-3)]
+    summaries = [json.loads((tmp_path / "sweep" / "setting-1" / f"point-{p}" / "config.json").read_text())["hparams"]
+                 for p in range(4)]
+    assert sorted((h["norm_adv"], h["lr"]) for h in summaries) == [(False, 1e-3), (False, 3e-3), (True, 1e-3),
+                                                                    (True, 3e-3)]
+
+
+def yes_no_and_choice_inputs() -> list[tuple[str, list[str] | dict, str]]:
+    """Every yes/no and enumerated value that the command line, a spec file and --env-params read,
+    spelled as nothing they document -> (how it is given, argv or a spec's [base], the flag or field
+    the refusal must name)."""
+    cases = []
+    for kind in (P.Config, P.HParams):
+        for field in dataclasses.fields(kind):
+            if isinstance(field.default, bool):
+                cases.append(("flag", [P.flag(field.name), "maybe"], P.flag(field.name)))
+                if field.name not in P.RUN_FIELDS:
+                    cases.append(("spec", {field.name: "maybe"}, field.name))
+                if kind is P.HParams:
+                    cases.append(("flag", ["--sweep-set", f"{field.name}=maybe"], "--sweep-set"))
+    for name in P.CHOICES:
+        cases.append(("flag", [P.flag(name), "maybe"], P.flag(name)))
+        cases.append(("spec", {name: "maybe"}, P.flag(name)))
+    for env_id in P.gymnax.registered_envs:  # every gymnax env's yes/no parameters
+        with contextlib.suppress(Exception):  # (MNISTBandit downloads its data: not here)
+            params = P.make_gymnax(env_id)[1]
+            for field in dataclasses.fields(params):
+                if isinstance(getattr(params, field.name), bool):
+                    cases.append(("flag", ["--env", env_id, "--env-params", f"{field.name}=maybe"], "--env-params"))
+    cases.append(("flag", ["--env", "ToyRLHF-v0", "--env-params", "mode=maybe"], "--env-params"))
+    if importlib.util.find_spec("brax") is not None:
+        cases.append(("flag", ["--env", "brax:hopper", "--env-params", "backend=maybe"], "--env-params"))
+    return cases
+
+
+def test_every_yes_no_and_choice_refuses_an_unknown_spelling_in_one_line(tmp_path, capsys):
+    """A yes/no or a choice spelled as nothing documented ("maybe") is refused, exit 2, one line that
+    names where it was given, before compiling: every yes/no flag (the documented spellings are
+    --X and --no-X), --sweep-set's yes/no (true/false, 1/0, on/off, yes/no), a spec file's (TOML
+    booleans) and every --env-params yes/no of a gymnax env; every enumerated flag and spec field."""
+    cases = yes_no_and_choice_inputs()
+    assert len([case for case in cases if "--env-params" in case[1]]) >= 8  # MinAtar, bsuite, misc envs
+    for i, (how, given, named) in enumerate(cases):
+        argv = given
+        if how == "spec":
+            path = tmp_path / f"spec{i}.toml"
+            path.write_text("[base]\n" + "".join(f"{name} = {json.dumps(value)}\n" for name, value in given.items()))
+            argv = ["--sweep", str(path)]
+        with pytest.raises(SystemExit) as stop:
+            P.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (given, err)
+        assert named in err and "maybe" in err, (given, err)
+    assert not (tmp_path / "runs").exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3918,7 +4146,7 @@ def test_a_sweep_killed_anywhere_resumes_to_the_same_bytes(tmp_path):
     aggregates = list(csv.DictReader(open(run_dir / "aggregates.csv")))
     assert len(aggregates) == 3 and {row["runs"] for row in aggregates} == {"4"}
     for i, block in enumerate(out.split("\n\n")[1:3]):  # each setting's ranking: the diverged point last, as NaN
-        ranked = [line for line in block.splitlines() if re.match(r"\s+\d+\s+lr=", line)]
+        ranked = [line for line in block.splitlines() if re.match(r"\s+\d+\s+\d+\s+lr=", line)]
         assert len(ranked) == 3 and "lr=1e+30" in ranked[-1] and "nan [nan, nan]" in ranked[-1], block
         assert ranked[-1].split()[-4] == "2/2" and ranked[0].split()[-4] == "0/2"  # diverged seeds
         best = summary[3 * i]["point"]  # summary.csv: best first
@@ -4064,6 +4292,10 @@ def test_a_sweeps_points_are_runs_to_evaluate_load_and_start_from(tmp_path, caps
         (["--resume", str(changed)], f"--resume {changed}: {changed}/sweep.toml has changed since the sweep began"),
         (["--resume", str(sweep_dir)], f"--resume {sweep_dir}: that sweep is complete"),
         (["--resume", str(point)], f"--resume {point}: a point of the sweep in {sweep_dir}: resume the sweep"),
+        (["--resume", str(point.parent)], f"a static setting of the sweep in {sweep_dir}: resume the sweep, --resume "
+                                          f"{sweep_dir}"),
+        (["--eval", str(point.parent)], f"a static setting of the sweep in {sweep_dir}: evaluate one of its points, "
+                                        f"--eval {sweep_dir} --point 1:K"),
         (["--resume", str(sweep_dir), "--lr", "1"], f"--resume {sweep_dir} uses that run's own"),
     ):
         with pytest.raises(SystemExit) as stop:
@@ -4098,8 +4330,8 @@ def synthetic_setting(config, finals, random_return=None) -> P.SweepSetting:
     metrics = {"episode_return": returns, "episodes": np.ones_like(returns),
                "env_steps": np.tile(np.arange(1, 21, dtype=np.float32) * 512, (returns.shape[0], 1))}
     metrics |= {name: np.zeros_like(returns) for name in P.GUARDED_METRICS}
-    return P.SweepSetting(dataclasses.replace(config, num_seeds=finals.shape[1]), types.SimpleNamespace(metrics=metrics),
-                          random_return)
+    return P.SweepSetting(dataclasses.replace(config, num_seeds=finals.shape[1]),
+                          types.SimpleNamespace(metrics=metrics, steps_run=0), random_return)
 
 
 def drawn_figures(monkeypatch, sweep, settings, tmp_path) -> dict:
@@ -4139,6 +4371,66 @@ def test_sweep_figures_fit_long_labels_without_warnings(tmp_path, monkeypatch):
                  else fig.axes[-1].get_legend_handles_labels()[1])
         assert len(labels) > 1 and labels == list(drawn), name
         plt.close(fig)  # (save_figure, which closes them, was replaced)
+
+
+def test_sweep_panels_are_titled_by_what_differs_and_no_legend_covers_them(tmp_path, monkeypatch):
+    """A panel's title is its setting's number, env and what the spec sets differently between the
+    settings (not the fields that follow from each env's defaults); the full label stays in the
+    table and summary.csv. No legend overlaps a panel or its title."""
+    import matplotlib.pyplot as plt
+
+    with open(os.path.join(os.path.dirname(P.__file__), "sweeps", "clip_vs_kl.toml")) as f:
+        paper = resolve(tomllib.loads(f.read()))
+    epochs = resolve({"base": {"env": "ToyRLHF-v0"}, "static": [{"update_epochs": 1}, {"update_epochs": 4},
+                                                                 {"adv_estimator": "grpo", "group_size": 8}],
+                      "grid": {"ref_kl_coef": [0.0, 0.1]}})
+    expected = [(paper, ["1: Pendulum-v1", "2: CartPole-v1", "3: Acrobot-v1"]),
+                (epochs, ["1: ToyRLHF-v0 update_epochs=1 adv_estimator=gae group_size=0",
+                          "2: ToyRLHF-v0 update_epochs=4 adv_estimator=gae group_size=0",
+                          "3: ToyRLHF-v0 update_epochs=4 adv_estimator=grpo group_size=8"])]
+    assert len(P.setting_name(paper, 0)) > 100  # the full label: every field that differs
+    for sweep, titles in expected:
+        assert [P.setting_title(sweep, i) for i in range(len(sweep.configs))] == titles
+        finals = np.random.default_rng(0).normal(100, 10, size=(len(sweep.points), 3))
+        figures = drawn_figures(monkeypatch, sweep, [synthetic_setting(config, finals) for config in sweep.configs],
+                                tmp_path)
+        for name, fig in figures.items():
+            assert [ax.get_title().replace("\n", " ") for ax in fig.axes] == titles, name
+            renderer = fig.canvas.get_renderer()
+            fig.canvas.draw()
+            legends = [legend.get_window_extent(renderer) for legend in fig.legends]
+            for ax in fig.axes:
+                for box in (ax.get_window_extent(renderer), ax.title.get_window_extent(renderer)):
+                    assert not any(legend.overlaps(box) for legend in legends), (name, ax.get_title())
+            titles_drawn = [ax.title.get_window_extent(renderer) for ax in fig.axes]
+            assert not any(a.overlaps(b) for i, a in enumerate(titles_drawn) for b in titles_drawn[i + 1:]), name
+            plt.close(fig)
+        rows, _ = P.summarize_sweep(sweep, [synthetic_setting(config, finals) for config in sweep.configs])
+        assert {row[0] for row in rows[1:]} == {P.setting_name(sweep, i) for i in range(len(sweep.configs))}
+
+
+def test_ties_rank_by_the_area_under_the_curve_and_the_table_names_each_point():
+    """Points tied on the final return (CartPole's 500) rank by the area under the curve, and the
+    table says so; each row gives the point's number (what --point takes); with 2 seeds the interval
+    is named for what it is, the seeds' range."""
+    config = tiny_config(num_seeds=2)
+    sweep = resolve({"grid": {"lr": [1e-4, 3e-4, 1e-3]}}, ["--num-seeds", "2"])
+    ramps = {0: 60, 1: 20, 2: 40}  # updates until each point's seeds reach 500: point 1 first
+    returns = np.array([np.minimum(500.0, np.arange(1, 101) * 500.0 / ramps[p]) for p in range(3) for _ in range(2)])
+    metrics = {"episode_return": returns.astype(np.float32), "episodes": np.ones_like(returns),
+               "env_steps": np.tile(np.arange(1, 101, dtype=np.float32) * 512, (6, 1))}
+    metrics |= {name: np.zeros_like(returns) for name in P.GUARDED_METRICS}
+    setting = P.SweepSetting(dataclasses.replace(config, num_seeds=2), types.SimpleNamespace(
+        metrics=metrics, steps_run=0), None)
+    assert list(setting.ranking()) == [1, 2, 0]
+    rows, text = P.summarize_sweep(sweep, [setting])
+    table = text.splitlines()
+    header = next(line for line in table if line.strip().startswith("rank"))
+    assert "point" in header and "label" in header and "[min, max]" in header
+    ranked = [line.split()[:3] for line in table[table.index(header) + 1:table.index(header) + 4]]
+    assert ranked == [["1", "1", "lr=0.0003"], ["2", "2", "lr=0.001"], ["3", "0", "lr=0.0001"]]
+    assert "it ties with 2 other point(s) at 500.0: ties rank by the area under the curve" in text
+    assert "--point 1)" in text
 
 
 def test_sweep_figures_draw_a_line_per_combination_with_its_confidence_interval(tmp_path, monkeypatch):
