@@ -4376,18 +4376,18 @@ def plot_seeds(ax, steps, returns, label: str, color=None, band: bool = True, se
     with np.errstate(invalid="ignore"):
         smoothed = convolve(np.where(finite, returns, 0.0)) / convolve(finite.astype(float))
     have = np.isfinite(smoothed).sum(axis=0)
-    every, several = have == len(smoothed), have >= 2
+    every, several = have == len(smoothed), have >= 2  # (each line joins the updates it has: episodes may be sparse)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         if seed_lines and len(smoothed) > 1:
             for seed in smoothed:
-                ax.plot(steps, seed, color=color, lw=0.5, alpha=0.45, zorder=line.get("zorder", 1) - 0.25)
+                ax.plot(steps[np.isfinite(seed)], seed[np.isfinite(seed)], color=color, lw=0.5, alpha=0.45,
+                        zorder=line.get("zorder", 1) - 0.25)
         if every.any():
-            ax.plot(np.where(every, steps, np.nan), np.where(every, np.nanmean(smoothed, 0), np.nan), color=color,
-                    label=label, **{"lw": 1.3, **line})
+            ax.plot(steps[every], np.mean(smoothed[:, every], 0), color=color, label=label, **{"lw": 1.3, **line})
         if band and several.any():
-            ax.fill_between(steps, np.nanmin(smoothed, 0), np.nanmax(smoothed, 0), where=several, color=color,
-                            alpha=0.15, zorder=line.get("zorder", 1) - 0.5)
+            ax.fill_between(steps[several], np.nanmin(smoothed[:, several], 0), np.nanmax(smoothed[:, several], 0),
+                            color=color, alpha=0.15, zorder=line.get("zorder", 1) - 0.5)
     return bool(have.any())
 
 

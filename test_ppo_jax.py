@@ -2283,11 +2283,17 @@ def test_curve_averages_only_where_every_seed_has_a_return_and_draws_the_spread(
     steps = np.tile(np.arange(1, 121) * 4096.0, (4, 1))
     ax = curve_of(monkeypatch, {"episode_return": returns, "env_steps": steps, "episodes": np.isfinite(returns) * 1.0})
     mean, = [line for line in ax.get_lines() if line.get_label().startswith("mean of the 4 seeds")]
-    drawn = np.isfinite(mean.get_ydata())
     first_of_all = np.flatnonzero(np.isfinite(returns).all(axis=0))[0]
-    assert drawn.any() and not drawn[:first_of_all - 1].any()  # (a smoothing window of 2 updates)
+    assert len(mean.get_xdata()) and mean.get_xdata()[0] >= steps[0, first_of_all - 1]  # (a smoothing window of 2)
     seeds = [line for line in ax.get_lines() if line.get_label().startswith("_")]
     assert len(seeds) == 4 and len(ax.collections) == 1  # each seed, and the band
+    assert seeds[3].get_xdata()[0] < mean.get_xdata()[0]  # seed 3's early episodes: its own line, not the mean
+    # Episodes that end every 33 updates (MuJoCo Playground's 1000 steps in 30-step rollouts): joined lines.
+    sparse = np.full((2, 120), np.nan)
+    sparse[:, 10::33] = [[100.0, 200.0, 300.0, 400.0], [110.0, 210.0, 310.0, 410.0]]
+    ax = curve_of(monkeypatch, {"episode_return": sparse, "env_steps": steps[:2], "episodes": np.isfinite(sparse) * 1.0})
+    mean, = [line for line in ax.get_lines() if line.get_label().startswith("mean of the 2 seeds")]
+    assert np.all(np.isfinite(mean.get_ydata())) and mean.get_ydata()[0] == pytest.approx(105.0)
     none = np.full((2, 120), np.nan)
     ax = curve_of(monkeypatch, {"episode_return": none, "env_steps": steps[:2], "episodes": np.zeros((2, 120))})
     assert [text.get_text() for text in ax.texts] == ["no episode ended in this run"]
