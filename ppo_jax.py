@@ -2643,12 +2643,13 @@ def validate_hparams(h: HParams, where: str = "") -> None:
 
 
 def check_run_dir_is_new(run_dir: str | None) -> None:
-    if run_dir is not None and (os.path.isfile(os.path.join(run_dir, "config.json")) or is_sweep_dir(run_dir)):
-        what = "sweep" if is_sweep_dir(run_dir) else "run"
+    if run_dir is None or not os.path.exists(run_dir):
+        return
+    what = "sweep" if is_sweep_dir(run_dir) else "run" if os.path.isfile(os.path.join(run_dir, "config.json")) else None
+    if what:
         raise ConfigError(f"--run-dir {run_dir} already holds a {what}: continue it with --resume {run_dir} (one "
                           "stopped before its first checkpoint starts again there), or pick a new directory")
-    if run_dir is not None and os.path.exists(run_dir):
-        raise ConfigError(f"--run-dir {run_dir} already exists: pick a new directory (nothing is overwritten)")
+    raise ConfigError(f"--run-dir {run_dir} already exists: pick a new directory (nothing is overwritten)")
 
 
 FIELD_ZERO = {"table_rows": "no table", "sweep_chunk": "all agents at once", "checkpoint_every": "about 20 chunks",
