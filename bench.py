@@ -101,7 +101,7 @@ def references(env_id: str, num_envs: int, steps: int, repeats: int, devices: in
                 obs, state, key = carry
                 key, action_key, step_key = jax.random.split(key, 3)
                 if with_network:
-                    _, dist, _ = network.apply(params, env._flat(obs))
+                    dist = network.apply(params, env._flat(obs)).dist
                     action = dist.sample(action_key)
                 else:
                     space = env.env.action_space(env.env_params)
@@ -163,7 +163,8 @@ def plain_ppo(config, agents: int):
         carry = (params, tx.init(params), env_state, obs, jnp.zeros(n), key)
 
         def loss(params, obs, action, old_log_prob, old_value, advantage, target):
-            _, dist, value = network.apply(params, obs)
+            out = network.apply(params, obs)
+            dist, value = out.dist, out.value
             ratio = jnp.exp(dist.log_prob(action) - old_log_prob)
             advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
             surrogate = jnp.minimum(ratio * advantage, jnp.clip(ratio, 1 - h.clip_eps, 1 + h.clip_eps) * advantage)
@@ -175,7 +176,8 @@ def plain_ppo(config, agents: int):
             def step(carry, _):
                 params, opt_state, env_state, obs, running_return, key = carry
                 key, action_key, step_key = jax.random.split(key, 3)
-                _, dist, value = network.apply(params, obs)
+                out = network.apply(params, obs)
+                dist, value = out.dist, out.value
                 action = dist.sample(action_key)
                 next_obs, env_state, reward, terminated, truncated, _ = jax.vmap(
                     gym.step, in_axes=(0, 0, 0, None))(jax.random.split(step_key, n), env_state, action, gym_params)
@@ -187,7 +189,7 @@ def plain_ppo(config, agents: int):
 
             carry, (obs, action, log_prob, value, reward, done, returns) = jax.lax.scan(step, carry, None, length=t)
             params, opt_state, env_state, last_obs, running_return, key = carry
-            _, _, last_value = network.apply(params, last_obs)
+            last_value = network.apply(params, last_obs).value
 
             def gae(carry, x):
                 advantage, next_value = carry

@@ -16,12 +16,17 @@ Where to hack (the five rules a change must keep are in HParams' docstring):
     advantages, returns      estimate_advantages (GAE: compute_gae; critic-free: group_advantages)
     value loss               value_loss             KL leash               kl_estimate, process_rollout
     PPO-Penalty's beta       adaptive_kl_coef       the leash's controller adaptive_ref_kl_coef
-    network, distributions   ActorCritic, Categorical, DiagGaussian; the critic's parameters: is_critic
+    network and its outputs  ActorCritic -> NetworkOutput (dist, value, hidden, extras: read by name)
+    a distribution           a class as Categorical, DiagGaussian, TanhGaussian, Beta; ActorCritic.distribution
+    has a critic, recurrent  Config.has_critic, Config.is_recurrent; the critic's parameters: is_critic
     an architecture switch   a Config field (static: shapes, the params tree) -> make_network -> ActorCritic
-    rollout, reward shaping  step_envs, process_rollout       epochs: update_step, epoch_step, minibatch_step
-    optimizer, lr schedule   make_optimizer (optax; groups: actor_critic_labels), learning_rate
+    rollout, reward shaping  step_envs, process_rollout; new randomness: fold_in (rollout_randomness)
+    epochs, minibatches      update_step (per-update HParams schedules), epoch_step, epoch_targets (a hook
+                             per epoch), minibatch_step; static choices reach them all as Setup;
+                             a pass split over slices and devices: Parts (section 10: speed)
+    optimizer, lr schedule   make_optimizer (optax; groups: actor_critic_labels), learning_rate, build_optimizer
     a hyperparameter         a field of HParams (traced: a flag and a sweep axis, swept without recompiling)
-    carried across updates   a field of TrainState, its initial value in init_train_state
+    carried across updates   a field of TrainState, its initial value in init_train_state (old checkpoints too)
     environments             VecEnv; adapters: BraxEnv, PlaygroundEnv, XMiniGridEnv, JumanjiEnv, CraftaxEnv;
                              ToyRLHF (RLHF in miniature; its ground truth: section 8)
     metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
@@ -323,9 +328,10 @@ class Config:
     """One MLP trunk feeding both the policy and the value head (default: separate actor and critic)."""
     torso: Literal["auto", "mlp", "cnn"] = "auto"
     """The network's first layers. cnn: a 3x3 convolution, 16 filters, ReLU, over image observations
-    (H x W x C, e.g. MinAtar's 10 x 10 x C), flattened and shared by actor and critic (the PPO
-    paper's Atari setup), then the --hidden-sizes layers; mlp: only the --hidden-sizes layers, on
-    the flattened observation; auto: cnn for image observations, mlp otherwise."""
+    (H x W x C, e.g. MinAtar's 10 x 10 x C) or a Jumanji grid (its other fields beside the conv's
+    features), flattened and shared by actor and critic (the PPO paper's Atari setup), then the
+    --hidden-sizes layers; mlp: only the --hidden-sizes layers, on the flattened observation; auto:
+    cnn for image observations and Snake's grid, mlp otherwise."""
     recurrent: Literal["none", "gru"] = "none"
     """A memory. gru: a GRU of --recurrent-size units between the torso and the --hidden-sizes
     layers, shared by actor and critic, its state reset to zero where an episode begins. The rollout
@@ -333,6 +339,15 @@ class Config:
     --num-envs), replayed from the state the rollout started with."""
     recurrent_size: int = 128
     """Units of the --recurrent GRU."""
+    action_dist: Literal["gaussian", "tanh_gaussian", "beta"] = "gaussian"
+    """Continuous actions' policy. gaussian: a diagonal Gaussian, its sample clipped to the action
+    bounds by the env (the PPO paper's); tanh_gaussian: the Gaussian squashed onto the bounds by
+    tanh, log-prob with the change of variables (Brax's and MuJoCo Playground's PPO); beta: a Beta
+    per dimension, scaled onto the bounds (Chou et al. 2017). The last two need finite bounds."""
+    state_std: bool = False
+    """The Gaussians' std from a head of its own, softplus(head) + 0.001 (gymnax-blines', Brax's),
+    instead of one learned parameter per action dimension, the same in every state (the PPO paper's).
+    --log-std-init sets its initial value either way."""
     init_params: str | None = None
     """Start from the policy (params and observation statistics) in this params.msgpack."""
     ref_params: str | None = None
@@ -454,6 +469,16 @@ class Config:
     @property
     def num_updates(self) -> int:
         return self.total_timesteps // self.batch_size
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the run learns a critic (GAE's values): the one place that says so."""
+        return self.adv_estimator == "gae"
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether the network has a memory (--recurrent): the one place that says so."""
+        return self.recurrent != "none"
 
 
 # Defaults per environment family. CartPole is the classic PPO config (CleanRL / the 37 details),
@@ -659,8 +684,12 @@ def default_config(env_id: str, **fields) -> Config:
 
 
 # Closed-form distributions instead of distrax: distrax pulls in tfp-nightly and warns at import on
-# this jax, and each of these is a few lines that the tests check against scipy. Sampling is split
-# into noise(key, shape) and sample_from(noise) so that a rollout draws all its noise in one call.
+# this jax, and each of these is a few lines that the tests check against scipy. The interface, all a
+# distribution gives and all the rest of the file asks of one: noise(key, shape) and sample_from(noise)
+# (split so that a rollout draws all its noise in one call), sample(key), mode(), env_action(action)
+# (the action as the env takes it: a squashed or scaled policy maps onto the env's bounds), log_prob,
+# entropy, kl. A new one is such a class, made by ActorCritic.policy_head and named in
+# ActorCritic.distribution (continuous: CONTINUOUS_DISTRIBUTIONS, --action-dist).
 LOG_2PI = math.log(2.0 * math.pi)
 
 
@@ -707,6 +736,9 @@ class Categorical:
     def mode(self):
         return self.per_component([jnp.argmax(logits, axis=-1).astype(jnp.int32) for logits in self.parts(self.logits)])
 
+    def env_action(self, action):  # the action as the env takes it
+        return action
+
     def log_prob(self, action):
         actions = [action[..., k] for k in range(len(self.nvec))] if self.nvec else [action]
         return summed(jnp.take_along_axis(jax.nn.log_softmax(logits), a[..., None].astype(jnp.int32), axis=-1)[..., 0]
@@ -729,8 +761,12 @@ def summed(terms):  # the components' terms added (one component: its term as it
 
 @struct.dataclass
 class DiagGaussian:
+    """A diagonal Gaussian over R^A (the default continuous policy). The env takes its sample
+    clipped to the action box (VecEnv; the share of components clipped is the action_clip_frac
+    metric), and the log-prob stays that of the unclipped sample."""
+
     mean: jax.Array  # [..., action_dim]
-    log_std: jax.Array  # [..., action_dim] (state-independent, broadcast to the batch by the network)
+    log_std: jax.Array  # [..., action_dim] (a parameter broadcast by the network, or a head's: --state-std)
 
     @staticmethod
     def noise(key, shape):  # standard normal noise
@@ -744,6 +780,9 @@ class DiagGaussian:
 
     def mode(self):
         return self.mean
+
+    def env_action(self, action):  # the action as the env takes it (VecEnv clips it to the box)
+        return action
 
     def log_prob(self, action):
         z = (action - self.mean) * jnp.exp(-self.log_std)
@@ -759,20 +798,134 @@ class DiagGaussian:
         return jnp.sum(other.log_std - self.log_std + 0.5 * (variance_ratio + mahalanobis - 1.0), axis=-1)
 
 
+# Gauss-Hermite nodes and weights: E[f(u)], u ~ N(m, s^2), is sum_k w_k f(m + sqrt(2) s x_k) / sqrt(pi).
+HERMITE_NODES, HERMITE_WEIGHTS = (np.float32(x) for x in np.polynomial.hermite.hermgauss(32))
+
+
+@struct.dataclass
+class TanhGaussian(DiagGaussian):
+    """A Gaussian squashed onto the env's action box (Haarnoja et al. 2018, App. C; the policy of
+    Brax's and MuJoCo Playground's PPO): the policy samples u ~ N(mean, std), the env takes
+    a = low + (tanh(u) + 1) (high - low) / 2, never clipped. Actions are kept as u: the ratio and the
+    KL of a bijection's images are the Gaussian's, so only the log-prob (of a, by the change of
+    variables: the Gaussian's minus log|da/du|) and the entropy differ. The entropy has no closed
+    form: the Gaussian's plus E[log|da/du|], the expectation per dimension by 32-point Gauss-Hermite
+    quadrature (deterministic and differentiable, within 0.003 nats per dimension for stds up to 3,
+    further off for wider ones; Brax's PPO takes one sample instead). The mode is
+    the Gaussian's (the env gets its image)."""
+
+    low: tuple[float, ...] = struct.field(pytree_node=False, default=())  # [A] the env's action bounds
+    high: tuple[float, ...] = struct.field(pytree_node=False, default=())
+
+    def log_det_jacobian(self, u, trailing: int = 0):  # log |da/du| per dimension (the dimension at -1 - trailing)
+        half_range = np.reshape(0.5 * (np.asarray(self.high) - np.asarray(self.low)), (-1,) + (1,) * trailing)
+        return np.log(half_range).astype(np.float32) + 2.0 * (math.log(2.0) - u - jax.nn.softplus(-2.0 * u))
+
+    def env_action(self, action):
+        low, high = np.asarray(self.low, np.float32), np.asarray(self.high, np.float32)
+        return low + 0.5 * (jnp.tanh(action) + 1.0) * (high - low)
+
+    def log_prob(self, action):
+        return DiagGaussian.log_prob(self, action) - jnp.sum(self.log_det_jacobian(action), axis=-1)
+
+    def entropy(self):
+        u = self.mean[..., None] + math.sqrt(2.0) * jnp.exp(self.log_std)[..., None] * HERMITE_NODES  # [..., A, K]
+        expected = jnp.sum(HERMITE_WEIGHTS * self.log_det_jacobian(u, trailing=1), axis=-1) / math.sqrt(math.pi)
+        return DiagGaussian.entropy(self) + jnp.sum(expected, axis=-1)
+
+
+BETA_EDGE = 1e-6  # a Beta sample is kept this far inside (0, 1), where float32 log x and log(1 - x) are finite
+
+
+@struct.dataclass
+class Beta:
+    """Independent Beta distributions over the action box (Chou et al. 2017): x in (0, 1) per
+    dimension, the env takes low + x (high - low), never clipped. The network gives alpha, beta =
+    1 + softplus(head), both > 1: unimodal, zero density at the bounds. Log-prob and entropy are of
+    the env's action (the affine map's log(high - low) included); KL in closed form."""
+
+    alpha: jax.Array  # [..., action_dim]
+    beta: jax.Array  # [..., action_dim]
+    low: tuple[float, ...] = struct.field(pytree_node=False, default=())
+    high: tuple[float, ...] = struct.field(pytree_node=False, default=())
+
+    @staticmethod
+    def noise(key, shape):  # a key per action ([..., A] -> keys [...]): Beta draws are rejection-sampled
+        return jax.random.split(key, shape[:-1])
+
+    def sample_from(self, noise):
+        batch, dim = self.alpha.shape[:-1], self.alpha.shape[-1]
+        keys = noise.reshape(-1, *noise.shape[len(batch):])
+        draws = jax.vmap(jax.random.beta)(keys, self.alpha.reshape(-1, dim), self.beta.reshape(-1, dim))
+        return jnp.clip(draws.reshape(self.alpha.shape), BETA_EDGE, 1.0 - BETA_EDGE)
+
+    def sample(self, key):
+        return self.sample_from(self.noise(key, self.alpha.shape))
+
+    def mode(self):  # (alpha - 1) / (alpha + beta - 2), both > 1
+        mode = (self.alpha - 1.0) / jnp.maximum(self.alpha + self.beta - 2.0, 1e-6)
+        return jnp.clip(mode, BETA_EDGE, 1.0 - BETA_EDGE)
+
+    def env_action(self, action):
+        low, high = np.asarray(self.low, np.float32), np.asarray(self.high, np.float32)
+        return low + action * (high - low)
+
+    def log_range(self):
+        return np.log(np.asarray(self.high, np.float64) - np.asarray(self.low, np.float64)).astype(np.float32)
+
+    def log_prob(self, action):
+        x = jnp.clip(action, BETA_EDGE, 1.0 - BETA_EDGE)
+        log_density = ((self.alpha - 1.0) * jnp.log(x) + (self.beta - 1.0) * jnp.log1p(-x)
+                       - jax.scipy.special.betaln(self.alpha, self.beta))
+        return jnp.sum(log_density - self.log_range(), axis=-1)
+
+    def entropy(self):
+        a, b, digamma = self.alpha, self.beta, jax.scipy.special.digamma
+        h = (jax.scipy.special.betaln(a, b) - (a - 1.0) * digamma(a) - (b - 1.0) * digamma(b)
+             + (a + b - 2.0) * digamma(a + b))
+        return jnp.sum(h + self.log_range(), axis=-1)
+
+    def kl(self, other: Beta):
+        """KL[self || other], summed over independent dimensions (the affine map cancels)."""
+        a, b, c, d, digamma = self.alpha, self.beta, other.alpha, other.beta, jax.scipy.special.digamma
+        betaln = jax.scipy.special.betaln
+        return jnp.sum(betaln(c, d) - betaln(a, b) + (a - c) * digamma(a) + (b - d) * digamma(b)
+                       + (c - a + d - b) * digamma(a + b), axis=-1)
+
+
+CONTINUOUS_DISTRIBUTIONS = {"gaussian": DiagGaussian, "tanh_gaussian": TanhGaussian, "beta": Beta}  # --action-dist
+MIN_STD = 1e-3  # --state-std: std = softplus(head) + MIN_STD (gymnax-blines' and Brax's floor)
+
+
+@struct.dataclass
+class NetworkOutput:
+    """What the network gives, read by name by every consumer (the rollout, the next-value pass, the
+    loss, the KL passes, evaluation, act). `value` is the critic's value wherever one is read: the
+    acting pass's is the one GAE uses (so a change to the observation the acting pass sees reaches
+    the critic too), the next-value pass and the loss read the same head. A head you add goes into
+    `extras` by name (an auxiliary value, PPG's; normalised values, PopArt's)."""
+
+    dist: Any  # the policy's distribution over [...] actions (Categorical, DiagGaussian, TanhGaussian, Beta)
+    value: jax.Array  # [...] (zeros without a critic)
+    hidden: jax.Array  # [..., H] the recurrent state after each step (H = 0: feedforward)
+    extras: dict[str, jax.Array] = struct.field(default_factory=dict)
+
+
 class ActorCritic(nn.Module):
     """Actor and critic MLPs (separate, or one shared trunk), after a shared conv torso when
     image_shape is given and a shared GRU when recurrent_size > 0. Orthogonal init: sqrt(2) on
-    hidden and conv layers, 0.01 on the policy head (a near-uniform initial policy), 1.0 on the
-    value head and the GRU, zero biases; with orthogonal_init=False, flax's default (LeCun normal
-    kernels, zero biases).
+    hidden and conv layers, 0.01 on the policy (and std) head (a near-uniform initial policy), 1.0
+    on the value head and the GRU, zero biases; with orthogonal_init=False, flax's default (LeCun
+    normal kernels, zero biases).
 
-    Called as network.apply(params, obs, first, hidden) -> (hiddens, distribution, values). A
-    feedforward network takes obs of any leading shape [...] and ignores first and hidden (its
-    hiddens are [..., 0]). A recurrent one takes time-major sequences: obs [T, B, obs_dim], first
+    Called as network.apply(params, obs, first, hidden) -> NetworkOutput(dist, value, hidden,
+    extras). A feedforward network takes obs of any leading shape [...] and ignores first and hidden
+    (its hidden is [..., 0]). A recurrent one takes time-major sequences: obs [T, B, obs_dim], first
     [T, B] (the step begins an episode: reset), hidden [B, H] (the state before step 0), and
     returns the state after each step [T, B, H]. policy_step() is the one-step form of both.
-    The critic's layers are named critic_<i> and value_head: is_critic tells its parameters apart by
-    that, so a layer you add to the critic is named critic_* too (e.g. critic_norm)."""
+    The policy's distribution class is `distribution` (the one place that picks it). The critic's
+    layers are named critic_<i> and value_head: is_critic tells its parameters apart by that, so a
+    layer you add to the critic is named critic_* too (e.g. critic_norm)."""
 
     action_dim: int
     discrete: bool
@@ -780,14 +933,29 @@ class ActorCritic(nn.Module):
     activation: str = "tanh"
     shared_trunk: bool = False
     orthogonal_init: bool = True
-    image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over the observation
-    recurrent_size: int = 0  # > 0: a GRU of this many units after the torso
+    image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over these observation columns
+    image_start: int = 0  # the image's first column of the flat observation (the others pass beside the conv)
+    recurrent_size: int = 0  # > 0: a recurrent cell of this many units after the torso
+    recurrent_cell: str = "gru"  # which (RECURRENT_CELLS)
     critic: bool = True  # False: no critic trunk or value head (the values are zeros)
     action_mask: bool = False  # the obs's last action_dim columns say which actions are legal (1) (discrete)
     action_nvec: tuple[int, ...] = ()  # a multi-discrete action's components: a factorised Categorical (discrete)
+    action_dist: str = "gaussian"  # continuous: a key of CONTINUOUS_DISTRIBUTIONS (--action-dist)
+    state_std: bool = False  # continuous Gaussians: the std from a head of its own (--state-std)
+    action_low: tuple[float, ...] = ()  # continuous: the env's action bounds (the squashed and Beta policies')
+    action_high: tuple[float, ...] = ()
+
+    @property
+    def distribution(self) -> type:
+        """The class of the policy's distribution: its noise, sample, log-prob, entropy, KL and mode."""
+        return Categorical if self.discrete else CONTINUOUS_DISTRIBUTIONS[self.action_dist]
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.recurrent_size > 0
 
     @nn.compact
-    def __call__(self, obs, first=None, hidden=None):  # -> (hiddens, distribution over [...] actions, values [...])
+    def __call__(self, obs, first=None, hidden=None) -> NetworkOutput:
         activation = {"tanh": nn.tanh, "relu": nn.relu}[self.activation]
         if self.action_mask:  # the mask is no feature: it only masks the policy's logits
             obs, legal = obs[..., :-self.action_dim], obs[..., -self.action_dim:] > 0.5
@@ -801,31 +969,49 @@ class ActorCritic(nn.Module):
                 x = activation(layer(width, math.sqrt(2.0), f"{name}_{i}")(x))
             return x
 
-        if self.image_shape is not None:  # observations are flat everywhere else: [..., H, W, C] here
+        if self.image_shape is not None:  # flat observations [..., D]: columns image_start.. are an H x W x C image
+            start, end = self.image_start, self.image_start + math.prod(self.image_shape)
             # A 3x3 'SAME' convolution written as its 3x3 patches times a [9C, 16] kernel. Speed: on
             # CPU, XLA's convolution gradient is slower than this one matmul (the patches are of the
             # observation, so they need no gradient).
-            image = obs.reshape(-1, *self.image_shape)
+            image = obs[..., start:end].reshape(-1, *self.image_shape)
             patches = jax.lax.conv_general_dilated_patches(image, (3, 3), (1, 1), "SAME",
                                                            dimension_numbers=("NHWC", "OIHW", "NHWC"))
             features = nn.relu(layer(16, math.sqrt(2.0), "conv")(patches))  # [B, H, W, 16]
-            obs = features.reshape(*obs.shape[:-1], -1)  # [..., H * W * 16]
-        if self.recurrent_size:
-            obs = hiddens = GRU(self.recurrent_size, init(1.0), name="gru")(obs, first, hidden)
+            features = features.reshape(*obs.shape[:-1], -1)  # [..., H * W * 16]
+            beside = [obs[..., :start], obs[..., end:]]  # a grid's other fields, flat (a pure image: none)
+            obs = jnp.concatenate([features, *beside], axis=-1) if start or end < obs.shape[-1] else features
+        if self.is_recurrent:
+            cell = RECURRENT_CELLS[self.recurrent_cell]
+            obs = hidden = cell(self.recurrent_size, init(1.0), name=self.recurrent_cell)(obs, first, hidden)
         else:
-            hiddens = jnp.zeros((*obs.shape[:-1], 0), jnp.float32)
+            hidden = jnp.zeros((*obs.shape[:-1], 0), jnp.float32)
         actor_features = trunk(obs, "trunk" if self.shared_trunk else "actor")
-        policy_out = layer(self.action_dim, 0.01, "policy_head")(actor_features)
+        dist = self.policy_head(actor_features, layer, legal if self.action_mask else None)
         if self.critic:
             critic_features = actor_features if self.shared_trunk else trunk(obs, "critic")
-            values = layer(1, 1.0, "value_head")(critic_features)[..., 0]
+            value = layer(1, 1.0, "value_head")(critic_features)[..., 0]
         else:
-            values = jnp.zeros(policy_out.shape[:-1], jnp.float32)
+            value = jnp.zeros(actor_features.shape[:-1], jnp.float32)
+        return NetworkOutput(dist=dist, value=value, hidden=hidden)
+
+    def policy_head(self, features, layer, legal):
+        """The policy's head(s) on the actor's features -> its distribution (of class `distribution`)."""
         if self.discrete:
-            logits = masked_logits(policy_out, legal) if self.action_mask else policy_out
-            return hiddens, Categorical(logits, tuple(self.action_nvec)), values
-        log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
-        return hiddens, DiagGaussian(policy_out, jnp.broadcast_to(log_std, policy_out.shape)), values
+            logits = layer(self.action_dim, 0.01, "policy_head")(features)
+            return Categorical(logits if legal is None else masked_logits(logits, legal), tuple(self.action_nvec))
+        bounds = dict(low=tuple(self.action_low), high=tuple(self.action_high))
+        if self.distribution is Beta:  # Chou et al. 2017: alpha, beta = 1 + softplus(head), both > 1
+            concentrations = 1.0 + nn.softplus(layer(2 * self.action_dim, 0.01, "policy_head")(features))
+            return Beta(concentrations[..., :self.action_dim], concentrations[..., self.action_dim:], **bounds)
+        mean = layer(self.action_dim, 0.01, "policy_head")(features)
+        if self.state_std:  # gymnax-blines' and Brax's: std = softplus(head) + MIN_STD
+            log_std = jnp.log(nn.softplus(layer(self.action_dim, 0.01, "std_head")(features)) + MIN_STD)
+        else:  # PPO paper's: a parameter, the same in every state
+            log_std = jnp.broadcast_to(self.param("log_std", nn.initializers.zeros, (self.action_dim,)), mean.shape)
+        if self.distribution is DiagGaussian:  # unbounded: the env clips its samples
+            return DiagGaussian(mean, log_std)
+        return self.distribution(mean, log_std, **bounds)
 
 
 class GRU(nn.Module):
@@ -863,11 +1049,13 @@ class GRU(nn.Module):
         return jax.lax.scan(step, hidden, (projected, first))[1]
 
 
-def policy_step(network: ActorCritic, params, obs, first, hidden):
+RECURRENT_CELLS = {"gru": GRU}  # --recurrent: each a module (size, kernel_init)(inputs [T, B, D], first, hidden)
+
+
+def policy_step(network: ActorCritic, params, obs, first, hidden) -> NetworkOutput:
     """One step for a batch of envs, recurrent or not: obs [B, obs_dim], first [B] (bool), hidden
-    [B, H] -> (hidden after the step [B, H], distribution over [B] actions, values [B])."""
-    hiddens, dist, values = network.apply(params, obs[None], first[None], hidden)
-    return hiddens[0], jax.tree.map(lambda x: x[0], dist), values[0]
+    [B, H] -> the NetworkOutput of that step (dist over [B] actions, value [B], hidden after it [B, H])."""
+    return jax.tree.map(lambda x: x[0], network.apply(params, obs[None], first[None], hidden))
 
 
 def initial_hidden(network: ActorCritic, batch: int):
@@ -959,7 +1147,11 @@ class TrainState:
 
 
 @struct.dataclass
-class Transition:  # every field time-major [T, N, ...]
+class Transition:
+    """A rollout, every field time-major [T, N, ...]. hidden, action, dist, value and (from dist)
+    log_prob are the acting pass's: the network's outputs on the observation as the policy saw it,
+    so what changes that observation (noise, say) reaches GAE's values too."""
+
     obs: jax.Array  # as the network saw it (normalised when --norm-obs)
     first: jax.Array  # the step begins an episode (the recurrent state is reset before it)
     hidden: jax.Array  # [T, N, H] the recurrent state after the step
@@ -1000,14 +1192,15 @@ def collect_rollout(state: TrainState, env: VecEnv, network: ActorCritic, num_st
     return process_rollout(state, raw, env, network, hparams, leash)
 
 
-def rollout_randomness(key, env: VecEnv, num_steps: int):
-    """step_envs' randomness, drawn before it -> (the next key, action noise [T, N, A], env step keys
-    [T, N], fresh starts for every env at every step (VecEnv.resets)). With sharded envs, the draws
-    are those of all the agent's envs, of which this device keeps its own."""
-    distribution = Categorical if env.discrete else DiagGaussian
+def rollout_randomness(key, env: VecEnv, network: ActorCritic, num_steps: int):
+    """step_envs' randomness, drawn before it -> (the next key, action noise (the distribution's, e.g.
+    [T, N, A]), env step keys [T, N], fresh starts for every env at every step (VecEnv.resets)).
+    With sharded envs, the draws are those of all the agent's envs, of which this device keeps its
+    own. New randomness (observation noise, a dropout mask) comes from jax.random.fold_in(key, a
+    constant of its own): another split here would change every existing run's draws."""
     all_envs = env.num_envs * env.shards
     key, noise_key, step_key, reset_key = jax.random.split(key, 4)
-    noise = distribution.noise(noise_key, (num_steps, all_envs, env.action_dim))
+    noise = network.distribution.noise(noise_key, (num_steps, all_envs, env.action_dim))
     step_keys = jax.random.split(step_key, (num_steps, all_envs))
     return key, env.own(noise), env.own(step_keys), env.draw_resets(reset_key, num_steps)
 
@@ -1016,16 +1209,18 @@ def step_envs(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: i
     """The rollout's lax.scan -> (state, [T, N] Transition as the envs gave it: raw observations,
     final observations and rewards; no log_prob or ref_kl yet). Its randomness is drawn before it:
     each step's action noise (the action is dist.sample_from(noise)), env keys and fresh starts."""
-    key, noise, step_keys, resets = rollout_randomness(state.key, env, num_steps)
+    key, noise, step_keys, resets = rollout_randomness(state.key, env, network, num_steps)
 
     def step(carry, inputs):
         env_state, raw_obs, hidden, running_return = carry
         action_noise, keys, reset = inputs
         obs = observe(state.obs_stats, raw_obs, hparams)
         first = env_state.first
-        hidden, dist, value = policy_step(network, state.params, obs, first, hidden)
+        out = policy_step(network, state.params, obs, first, hidden)
+        hidden, dist = out.hidden, out.dist
         action = dist.sample_from(action_noise)
-        next_obs, env_state, reward, terminated, truncated, info = env.step(keys, env_state, action, reset)
+        next_obs, env_state, reward, terminated, truncated, info = env.step(keys, env_state, dist.env_action(action),
+                                                                            reset)
         done = terminated | truncated
         running_return = running_return * hparams.gamma + reward  # per env, for --scale-reward
         transition = Transition(
@@ -1035,7 +1230,7 @@ def step_envs(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: i
             action=action,
             log_prob=None,  # after the scan, in one batched call
             dist=dist,
-            value=value,
+            value=out.value,
             reward=reward,
             terminated=terminated,
             done=done,
@@ -1073,9 +1268,9 @@ def process_rollout(state: TrainState, traj: Transition, env: VecEnv, network: A
 
     def on():  # (log pi_ref(a|s), KL[pi || pi_ref], pi_ref's state after, pi_ref or None) at every step, in one pass
         ref_obs = observe(state.reference.obs_stats, raw_obs, hparams)
-        ref_hiddens, ref_dist, _ = network.apply(state.reference.params, ref_obs, traj.first, state.ref_hidden)
-        return (ref_dist.log_prob(traj.action), traj.dist.kl(ref_dist), ref_hiddens[-1],
-                ref_dist if keep_ref_dist else None)
+        ref = network.apply(state.reference.params, ref_obs, traj.first, state.ref_hidden)
+        return (ref.dist.log_prob(traj.action), traj.dist.kl(ref.dist), ref.hidden[-1],
+                ref.dist if keep_ref_dist else None)
 
     def off():  # the leash is off: pi_ref := pi
         return log_prob, jnp.zeros_like(log_prob), state.ref_hidden, traj.dist if keep_ref_dist else None
@@ -1155,7 +1350,7 @@ def estimate_advantages(params, traj: Transition, config: Config, env: VecEnv, n
     step's true next state (one batched pass of one step each, continuing from the state after that
     step; where no episode ended, final_obs is simply the next observation). Truncation bootstraps
     unless --no-bootstrap-truncation. Critic-free (--adv-estimator): group_advantages, no targets."""
-    if config.adv_estimator != "gae":  # groups may span the devices an agent's envs are sharded over
+    if not config.has_critic:  # groups may span the devices an agent's envs are sharded over
         rewards = env.gather(traj.reward)
         advantages = env.own(group_advantages(rewards, config.adv_estimator, config.group_size or config.num_envs,
                                               fixed_episode_length(config.env, config.env_params)))
@@ -1164,7 +1359,7 @@ def estimate_advantages(params, traj: Transition, config: Config, env: VecEnv, n
 
     def next_value(part):  # (final observations, hidden states) of some steps -> their values
         obs, hidden = part
-        return policy_step(network, params, obs, jnp.zeros(len(obs), bool), hidden)[2]
+        return policy_step(network, params, obs, jnp.zeros(len(obs), bool), hidden).value
 
     final = (traj.final_obs.reshape(steps, -1), traj.hidden.reshape(steps, -1))
     next_values = Parts.of(config, env).map(next_value, final).reshape(config.num_steps, env.num_envs)
@@ -1227,11 +1422,13 @@ def value_loss(values, old_values, targets, hparams: HParams):
     return 0.5 * jnp.mean(jnp.where(hparams.clip_vloss & (hparams.clip_eps > 0), clipped, unclipped))
 
 
-def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_coef, leash: Leash = Leash()):
+def ppo_loss(params, batch: Batch, hparams: HParams, kl_coef, setup: Setup):
     """PPO loss on one minibatch (or a slice of it): clipped surrogate (Eq. 7), KL penalty (Eq. 8),
     value loss and entropy bonus (Eq. 9); negated for minimisation. Which terms act is data: their
     coefficients. Every term, and every diagnostic, is a mean over the samples."""
-    _, dist, values = network.apply(params, batch.obs, batch.first, batch.hidden)
+    leash = setup.leash
+    out = setup.network.apply(params, batch.obs, batch.first, batch.hidden)
+    dist = out.dist
     log_prob = dist.log_prob(batch.action)
     log_ratio = log_prob - batch.log_prob
     ratio = jnp.exp(log_ratio)
@@ -1240,8 +1437,8 @@ def ppo_loss(params, network: ActorCritic, batch: Batch, hparams: HParams, kl_co
     policy_loss = -jnp.mean(objective)
     kl = jnp.mean(batch.dist.kl(dist))  # exact KL[pi_old || pi]
     entropy = jnp.mean(dist.entropy())
-    if network.critic:
-        v_loss = value_loss(values, batch.value, batch.targets, hparams)
+    if setup.config.has_critic:
+        v_loss = value_loss(out.value, batch.value, batch.targets, hparams)
         total = policy_loss + kl_coef * kl + hparams.vf_coef * v_loss - hparams.ent_coef * entropy
     else:  # critic-free (--adv-estimator): no value loss
         v_loss = jnp.float32(jnp.nan)
@@ -1290,15 +1487,33 @@ class Batch:  # flat [B, ...]; recurrent: time-major [T, N, ...], whole env sequ
     ref_dist: Any = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The update's static choices, passed down whole (update_step -> epoch_step -> minibatch_step ->
+    ppo_loss): a switch you add is a Config field, read as setup.config.NAME where it acts, with no
+    new argument threaded through the functions between."""
+
+    config: Config
+    env: VecEnv  # this device's envs
+    network: ActorCritic
+    parts: Parts  # how the passes over the batch are split (speed and devices: Parts)
+    leash: Leash
+
+    @classmethod
+    def of(cls, config: Config, env: VecEnv, network: ActorCritic) -> Setup:
+        return cls(config, env, network, Parts.of(config, env), Leash.of(config))
+
+
 def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hparams: HParams):
-    """One PPO iteration: rollout -> GAE -> update_epochs x num_minibatches gradient steps."""
-    start_hidden = state.hidden
-    leash = Leash.of(config)
+    """One PPO iteration: rollout -> GAE -> update_epochs x num_minibatches gradient steps. A
+    per-update schedule of any HParam goes where the leash's beta is set below, from state.update:
+    hparams.replace(ent_coef=hparams.ent_coef * (1 - state.update / config.num_updates))."""
+    setup = Setup.of(config, env, network)
+    parts, start_hidden = setup.parts, state.hidden
     hparams = hparams.replace(ref_kl_coef=state.ref_kl_coef)  # the leash's beta of this update
-    state, traj = collect_rollout(state, env, network, config.num_steps, hparams, leash)
+    state, traj = collect_rollout(state, env, network, config.num_steps, hparams, setup.leash)
     advantages, targets = estimate_advantages(state.params, traj, config, env, network, hparams)
-    parts = Parts.of(config, env)  # how the passes over the batch are split (speed and devices: Parts)
-    recurrent = network.recurrent_size > 0
+    recurrent = config.is_recurrent
     batch = make_batch(traj, advantages, targets, start_hidden, recurrent, parts)  # the whole agent's
     # This device's envs alone, for the KL pass (unsharded: the batch itself).
     own = make_batch(traj, advantages, targets, start_hidden, recurrent) if parts.shards > 1 else batch
@@ -1306,16 +1521,14 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     # Speed: every epoch's shuffle drawn in one vectorised call.
     shuffled = config.num_envs if recurrent else config.batch_size  # whole env sequences, or samples
     key, permutations = minibatch_orders(state.key, config.update_epochs, shuffled)
-    lr = learning_rate(hparams, state.update, config.num_updates)
-    step_fn = functools.partial(minibatch_step, network=network, tx=make_optimizer(hparams, lr), hparams=hparams,
-                                kl_coef=state.kl_coef, parts=parts, leash=leash)
-    epoch = functools.partial(epoch_step, batch=batch, num_minibatches=config.num_minibatches, step_fn=step_fn,
-                              norm_adv=hparams.norm_adv, parts=parts)
+    tx, lr = build_optimizer(config, hparams, state.update)
+    step_fn = functools.partial(minibatch_step, tx=tx, hparams=hparams, kl_coef=state.kl_coef, setup=setup)
+    epoch = functools.partial(epoch_step, batch=batch, traj=traj, hparams=hparams, step_fn=step_fn, setup=setup)
     (params, opt_state, _), diagnostics = jax.lax.scan(epoch, (state.params, state.opt_state, jnp.array(False)),
                                                        permutations)
 
     # PPO-Penalty: d = the exact mean KL between the old and the updated policy over the batch.
-    new_kl = lambda part: jnp.mean(part.dist.kl(network.apply(params, part.obs, part.first, part.hidden)[1]))  # noqa: E731
+    new_kl = lambda part: jnp.mean(part.dist.kl(network.apply(params, part.obs, part.first, part.hidden).dist))  # noqa: E731
     kl = parts.mean(new_kl, own)
     kl_coef = jnp.where(hparams.kl_target > 0, adaptive_kl_coef(state.kl_coef, kl, hparams.kl_target), state.kl_coef)
 
@@ -1323,10 +1536,11 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     sums = parts.device_sum({"episodes": jnp.sum(ended), "return": jnp.sum(ended * traj.episode_return),
                              "length": jnp.sum(ended * traj.episode_length), "ref_kl": jnp.mean(traj.ref_kl),
                              "ref_kl_sum": jnp.sum(traj.ref_kl),
-                             **{name: jnp.sum(ended * value) for name, value in traj.episode_metrics.items()}})
+                             **{name: jnp.sum(ended * value) for name, value in traj.episode_metrics.items()},
+                             **({} if env.discrete else {"action_clip": action_clip_frac(traj.dist, traj.action, env)})})
     # The rollout's summed KL per episode ended: exactly the mean KL per episode when every episode
     # lies within a rollout (fixed-length episodes), a renewal-reward estimate of it otherwise.
-    measured = (hparams.ref_kl_coef > 0) | leash.measure
+    measured = (hparams.ref_kl_coef > 0) | setup.leash.measure
     ref_kl_seq = jnp.where(measured, sums["ref_kl_sum"] / sums["episodes"], jnp.nan)
     ref_kl_coef = jnp.where((hparams.ref_kl_target > 0) & (sums["episodes"] > 0),
                             adaptive_ref_kl_coef(state.ref_kl_coef, ref_kl_seq, sums["episodes"], hparams),
@@ -1344,14 +1558,23 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
         "ref_kl_coef": state.ref_kl_coef,  # the leash's beta this update used
         **{name: sums[name] / sums["episodes"] for name in traj.episode_metrics},  # the env's own (ToyRLHF-v0)
         "grad_steps": jnp.sum(grad_steps),
-        "explained_variance": (explained_variance(batch.value, batch.targets) if network.critic
+        "explained_variance": (explained_variance(batch.value, batch.targets) if config.has_critic
                                else jnp.float32(jnp.nan)),  # critic-free: no values
         "learning_rate": lr,
         "param_norm": optax.tree.norm(params),  # after the update; non-finite: see the NaN guard
+        **({} if env.discrete else {"action_clip_frac": sums["action_clip"] / parts.shards}),  # mean over devices
     }
     state = state.replace(params=params, opt_state=opt_state, kl_coef=kl_coef, ref_kl_coef=ref_kl_coef, key=key,
                           update=state.update + 1)
     return state, metrics
+
+
+def action_clip_frac(dist, action, env: VecEnv):
+    """The share of the rollout's action components that the env clipped to its box (VecEnv): a
+    Gaussian's samples beyond the bounds; 0 for the squashed and Beta policies, which map into it."""
+    taken = dist.env_action(action)
+    low, high = env.action_low.ravel(), env.action_high.ravel()
+    return jnp.mean(((taken < low) | (taken > high)).astype(jnp.float32))
 
 
 def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: bool, parts: Parts | None = None) -> Batch:
@@ -1375,32 +1598,46 @@ def make_batch(traj: Transition, advantages, targets, start_hidden, recurrent: b
     return batch if recurrent else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
 
 
-def epoch_step(carry, permutation, batch: Batch, num_minibatches: int, step_fn, norm_adv, parts: Parts | None = None):
+def epoch_step(carry, permutation, batch: Batch, traj: Transition, hparams: HParams, step_fn, setup: Setup):
     """One pass over the batch: a lax.scan of gradient steps over shuffled minibatches, their
-    advantages normalised over each whole minibatch when norm_adv (--norm-adv). With `parts` of
-    sharded envs, `batch` is the whole agent's, and this device steps on its part of each minibatch."""
+    advantages normalised over each whole minibatch (--norm-adv). A minibatch is a uniformly shuffled
+    set of samples (recurrent: of whole env sequences); a statistic over it belongs here (rule 2).
+    Targets recomputed with each epoch's params (V-trace, PPG) go in epoch_targets. With sharded envs
+    (setup.parts), `batch` is the whole agent's, and this device steps on its part of each minibatch."""
+    params, num_minibatches, parts = carry[0], setup.config.num_minibatches, setup.parts
+    batch = epoch_targets(params, batch, traj, hparams, setup)
     shuffle = shuffle_into_minibatches if batch.hidden is None else shuffle_sequences_into_minibatches
-    own = parts.own_rows(permutation, num_minibatches) if parts else permutation
+    own = parts.own_rows(permutation, num_minibatches)
     minibatches = shuffle(own, batch, num_minibatches)
     # The normalisation's statistics are the whole minibatch's (sharded: XLA drops the other fields' gathers).
     whole = (minibatches if own is permutation else shuffle(permutation, batch, num_minibatches)).advantages
     axes = tuple(range(1, whole.ndim))  # [M, ...]: the statistics of each minibatch
     mean, std = whole.mean(axes, keepdims=True), whole.std(axes, keepdims=True)
     advantages = minibatches.advantages
-    minibatches = minibatches.replace(advantages=jnp.where(norm_adv, (advantages - mean) / (std + 1e-8), advantages))
+    normalised = (advantages - mean) / (std + 1e-8)
+    minibatches = minibatches.replace(advantages=jnp.where(hparams.norm_adv, normalised, advantages))
     return jax.lax.scan(step_fn, carry, minibatches)
 
 
-def minibatch_step(carry, minibatch: Batch, network, tx: optax.GradientTransformation, hparams, kl_coef,
-                   parts: Parts, leash=Leash()):
+def epoch_targets(params, batch: Batch, traj: Transition, hparams: HParams, setup: Setup) -> Batch:
+    """The hook before each epoch, with that epoch's params (the first: the rollout's): the batch as
+    the epoch trains on it. PPO keeps the rollout's advantages and targets; V-trace or PPG recompute
+    them here from `traj`, the rollout [T, N] (rewards processed, terminations, final observations,
+    the behaviour policy's log-probs), into the batch's layout (feedforward: [T * N], t-major). With
+    sharded envs, `traj` holds this device's envs and `batch` the whole agent's (setup.env.gather)."""
+    return batch
+
+
+def minibatch_step(carry, minibatch: Batch, tx: optax.GradientTransformation, hparams: HParams, kl_coef,
+                   setup: Setup):
     """One gradient step of the optimizer `tx` (make_optimizer), unless --target-kl has stopped this
     update: a stopped step leaves the params and the optimizer's state as they were (a select over
     both trees, not a branch, so the whole update stays one program). The gradient and diagnostics
     are the mean of the minibatch's parts (rule 2): with sharded envs `minibatch` is this device's
     part, and every device takes the same step."""
     params, opt_state, stopped = carry
-    grad = jax.grad(lambda params, part: ppo_loss(params, network, part, hparams, kl_coef, leash), has_aux=True)
-    grads, diagnostics = parts.mean(lambda part: grad(params, part), minibatch)
+    grad = jax.grad(lambda params, part: ppo_loss(params, part, hparams, kl_coef, setup), has_aux=True)
+    grads, diagnostics = setup.parts.mean(lambda part: grad(params, part), minibatch)
     stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
     diagnostics["grad_norm"] = optax.tree.norm(grads)  # before clipping; non-finite: see the NaN guard
     updates, new_opt_state = tx.update(grads, opt_state, params)
@@ -1442,15 +1679,24 @@ def explained_variance(predictions, targets):
 def make_optimizer(hparams: HParams, learning_rate) -> optax.GradientTransformation:
     """The optimizer, and the one place to change it: global-norm clipping (--max-grad-norm), Adam
     (--adam-eps), then the step of size `learning_rate` (update_step passes this update's, from
-    learning_rate(); a schedule over gradient steps, count -> lr, works too). It is built inside the
-    traced update from traced HParams, so a sweep over --lr, --adam-eps or --max-grad-norm compiles
-    once; the state's tree must not depend on their values (init_train_state builds it with --lr).
+    learning_rate(); a schedule over gradient steps, count -> lr, works too). build_optimizer calls it,
+    for the state and the steps alike. It is built inside the traced update from traced HParams, so a
+    sweep over --lr, --adam-eps or --max-grad-norm compiles once; the state's tree must not depend on
+    their values.
     Parameter groups: optax.multi_transform with actor_critic_labels (README, "Hacking ppo_jax")."""
     return optax.chain(
         optax.clip_by_global_norm(hparams.max_grad_norm),
         optax.scale_by_adam(b1=0.9, b2=0.999, eps=hparams.adam_eps),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+def build_optimizer(config: Config, hparams: HParams, update) -> tuple[optax.GradientTransformation, jax.Array]:
+    """-> (the optimizer of (0-based) update `update`, its learning rate): make_optimizer at
+    learning_rate(). Where the optimizer is built, for its state (init_train_state, update 0) and
+    for its steps (update_step): one place, so the two always agree."""
+    lr = learning_rate(hparams, update, config.num_updates)
+    return make_optimizer(hparams, lr), lr
 
 
 def is_critic(path) -> bool:
@@ -1476,20 +1722,23 @@ def make_env(config: Config) -> VecEnv:
 
 
 def make_network(config: Config, env: VecEnv) -> ActorCritic:
-    image = len(env.obs_shape) == 3
-    cnn = config.torso == "cnn" or (config.torso == "auto" and image)
+    cnn = config.torso == "cnn" or (config.torso == "auto" and env.image_by_default)
+    image_start, image_shape = env.image if cnn else (0, None)
+    bounds = {} if env.discrete else dict(action_low=tuple(env.action_low.ravel().tolist()),
+                                          action_high=tuple(env.action_high.ravel().tolist()))
     return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation,
-                       config.shared_trunk, image_shape=env.obs_shape if cnn else None,
-                       recurrent_size=config.recurrent_size if config.recurrent == "gru" else 0,
-                       critic=config.adv_estimator == "gae", action_mask=env.action_mask_size > 0,
-                       action_nvec=env.action_nvec)
+                       config.shared_trunk, image_shape=image_shape, image_start=image_start,
+                       recurrent_size=config.recurrent_size if config.is_recurrent else 0,
+                       recurrent_cell=config.recurrent, critic=config.has_critic,
+                       action_mask=env.action_mask_size > 0, action_nvec=env.action_nvec,
+                       action_dist=config.action_dist, state_std=config.state_std, **bounds)
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
     """Fresh params (orthogonal or default init, by hparams.ortho_init; a Gaussian's log std at
-    hparams.log_std_init) and empty statistics. A Python bool ortho_init compiles that init alone;
-    a traced one (it differs across a batch of agents) compiles both and selects (compile time:
-    each init is its own XLA compile)."""
+    hparams.log_std_init, in every state for --state-std) and empty statistics. A Python bool
+    ortho_init compiles that init alone; a traced one (it differs across a batch of agents) compiles
+    both and selects (compile time: each init is its own XLA compile)."""
     inputs = (obs[None], jnp.ones((1, len(obs)), bool), initial_hidden(network, len(obs)))  # one step of [N] envs
     if isinstance(hparams.ortho_init, bool):
         params = network.clone(orthogonal_init=hparams.ortho_init).init(key, *inputs)
@@ -1497,13 +1746,17 @@ def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -
         orthogonal = network.init(key, *inputs)
         default = network.clone(orthogonal_init=False).init(key, *inputs)
         params = jax.tree.map(lambda a, b: jnp.where(hparams.ortho_init, a, b), orthogonal, default)
-    if "log_std" in params["params"]:  # a Gaussian policy (continuous actions)
-        log_std = params["params"]["log_std"]
-        params = {**params, "params": {**params["params"], "log_std": jnp.full_like(log_std, hparams.log_std_init)}}
+    layers = params["params"]
+    if "log_std" in layers:  # a Gaussian policy (continuous actions), its std a parameter
+        params = {**params, "params": {**layers, "log_std": jnp.full_like(layers["log_std"], hparams.log_std_init)}}
+    if "std_head" in layers:  # --state-std: softplus(head) + MIN_STD, the head's bias set to give exp(log_std_init)
+        softplus = jnp.maximum(jnp.exp(hparams.log_std_init) - MIN_STD, 1e-6)
+        bias = jnp.full_like(layers["std_head"]["bias"], jnp.log(jnp.expm1(softplus)))  # softplus's inverse
+        params = {**params, "params": {**layers, "std_head": {**layers["std_head"], "bias": bias}}}
     return Policy(params, RunningStats.zeros((env.obs_dim,), env.action_mask_size))
 
 
-def init_train_state(key, env: VecEnv, network: ActorCritic, tx, hparams: HParams,
+def init_train_state(key, config: Config, env: VecEnv, network: ActorCritic, hparams: HParams,
                      initial: Policy | None = None, reference: Policy | None = None) -> TrainState:
     """The state before the first update: `initial` (default: a fresh policy) is where training
     starts; `reference` (default: that same starting policy) is the KL leash's pi_ref."""
@@ -1513,7 +1766,7 @@ def init_train_state(key, env: VecEnv, network: ActorCritic, tx, hparams: HParam
     reference = initial if reference is None else reference
     return TrainState(
         params=initial.params,
-        opt_state=tx.init(initial.params),
+        opt_state=build_optimizer(config, hparams, 0)[0].init(initial.params),
         env_state=env_state,
         obs=obs,
         hidden=initial_hidden(network, env.num_envs),
@@ -1559,7 +1812,7 @@ def make_train_parts(config: Config, shards: int = 1):
     reference = load_policy(config, env, network, config.ref_params, "--ref-params")
 
     def init(key, hparams: HParams) -> TrainState:
-        return init_train_state(key, env, network, make_optimizer(hparams, hparams.lr), hparams, initial, reference)
+        return init_train_state(key, config, env, network, hparams, initial, reference)
 
     advance = functools.partial(train_updates, config=config, env=own_envs, network=network)
     return init, advance
@@ -1719,6 +1972,10 @@ class VecEnv:
             self.action_high = np.broadcast_to(np.asarray(action_space.high, np.float32), self.action_shape)
         self.obs_shape = tuple(self.env.observation_space(self.env_params).shape)
         self.obs_dim = int(np.prod(self.obs_shape))
+        # (first column, (H, W, C)) of an image in the flat observation, for the conv torso: an image
+        # observation, or the grid field an adapter knows of (Jumanji's); None: no image.
+        self.image = (0, self.obs_shape) if len(self.obs_shape) == 3 else getattr(self.env, "image_columns", None)
+        self.image_by_default = len(self.obs_shape) == 3 or getattr(self.env, "image_by_default", False)  # --torso auto
         self.own_step = type(self.env).step is not GymnaxEnvironment.step
         self.episode_metrics = getattr(self.env, "episode_metrics", ())  # info entries reported where episodes end
         self.action_mask_size = getattr(self.env, "action_mask_size", 0)  # the obs's last columns: 1 = a legal action
@@ -2061,6 +2318,11 @@ JUMANJI_INSTALL = "pip install -r requirements-jumanji.txt"
 JUMANJI_MAX_ACTIONS = 4096  # a multi-discrete action is one categorical over the product of its parts
 
 
+# The envs whose grid goes through the conv torso by default (--torso auto), where it was measured to help; --torso
+# cnn takes any env's grid (docs/results.md, "Jumanji": Tetris's lines fell with it at a CPU budget).
+JUMANJI_GRID_TORSO = ("Snake-v1",)
+
+
 @struct.dataclass
 class JumanjiParams(GymnaxEnvParams):
     max_steps_in_episode: int = 0  # the time limit; make_gymnax sets the suite's own (or 10,000 where it has none)
@@ -2097,6 +2359,8 @@ class JumanjiEnv(GymnaxEnvironment):
         self.multi_discrete = np.ndim(num_values) > 0
         observation = jax.eval_shape(self.jumanji_env.reset, jax.random.PRNGKey(0))[1].observation
         self.obs_size = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.features(observation)))
+        self.image_columns = self.grid_columns(observation)
+        self.image_by_default = name in JUMANJI_GRID_TORSO
         mask = getattr(observation, "action_mask", None)
         self.action_mask_size = 0 if mask is None else int(np.prod(mask.shape))
         self.mask_shape = None if mask is None else tuple(mask.shape)
@@ -2108,6 +2372,23 @@ class JumanjiEnv(GymnaxEnvironment):
         if hasattr(observation, "_replace") and hasattr(observation, "action_mask"):
             return [value for field, value in observation._asdict().items() if field != "action_mask"]
         return observation
+
+    @classmethod
+    def grid_columns(cls, observation) -> tuple[int, tuple[int, int, int]] | None:
+        """Where the observation's grid lies in the flat one encode() makes: (its first column, (H, W, C)),
+        for the first field named grid, board or walls of 2 or 3 dims (a 2-D one has one channel); None
+        without one. The network's conv torso takes it as an image (VecEnv.image): with --torso cnn, or by
+        default for the envs of JUMANJI_GRID_TORSO."""
+        if not hasattr(observation, "_asdict"):
+            return None
+        start = 0
+        for field, value in observation._asdict().items():
+            if field == "action_mask":
+                continue
+            if field in ("grid", "board", "walls") and len(getattr(value, "shape", ())) in (2, 3):
+                return start, (*value.shape, 1)[:3]
+            start += sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(value))
+        return None
 
     def encode(self, observation):  # the suite's observation -> flat float32 [obs_size + action_mask_size]
         parts = [jnp.ravel(leaf).astype(jnp.float32) for leaf in jax.tree.leaves(self.features(observation))]
@@ -2665,11 +2946,14 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
                  "recurrent_size"):
         if getattr(config, name) < 1:
             raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be a positive integer")
-    if config.torso == "cnn" and len(env.observation_space(env_params).shape) != 3:
-        raise ConfigError(f"--torso cnn needs image observations (H x W x C); {config.env}'s are not: use --torso mlp")
+    image = len(env.observation_space(env_params).shape) == 3 or getattr(env, "image_columns", None) is not None
+    if config.torso == "cnn" and not image:
+        raise ConfigError(f"--torso cnn needs image observations (H x W x C) or a grid; {config.env}'s are not: use "
+                          "--torso mlp")
     for name, choices in CHOICES.items():  # a spec file or Python may give any string
         if getattr(config, name) not in choices:
             raise ConfigError(f"{flag(name)} {getattr(config, name)!r}: use one of {', '.join(choices)}")
+    check_action_dist(config, env.action_space(env_params))
     if not config.hidden_sizes or min(config.hidden_sizes) < 1:
         raise ConfigError(f"--hidden-sizes {config.hidden_sizes}: give one or more positive widths, e.g. 64 64")
     if config.eval_episodes < 1:
@@ -2682,7 +2966,7 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
             f"--num-minibatches {config.num_minibatches} does not divide the batch "
             f"(--num-envs {config.num_envs} x --num-steps {config.num_steps} = {config.batch_size})"
         )
-    if config.recurrent != "none" and config.num_envs % config.num_minibatches:
+    if config.is_recurrent and config.num_envs % config.num_minibatches:
         raise ConfigError(f"--num-minibatches {config.num_minibatches} does not divide --num-envs {config.num_envs}: "
                           f"with --recurrent {config.recurrent}, a minibatch is a set of whole env sequences")
     if config.minibatch_size < 2:
@@ -2693,11 +2977,11 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
                           "(or 0: auto)")
     if config.env_devices > 1 and not shards_fit(config, config.env_devices):
         what = (f"the {config.num_envs // config.num_minibatches} env sequences of a minibatch"
-                if config.recurrent != "none" else f"the minibatch of {config.minibatch_size} samples")
+                if config.is_recurrent else f"the minibatch of {config.minibatch_size} samples")
         slices = f", leaving each device a part that --slices {config.slices} divides" if config.slices > 1 else ""
         raise ConfigError(f"--env-devices {config.env_devices}: must divide --num-envs {config.num_envs} and "
                           f"{what}{slices}; or use 0 (auto) or 1 (no sharding)")
-    if config.slices > 1 and config.recurrent != "none":
+    if config.slices > 1 and config.is_recurrent:
         raise ConfigError(f"--slices {config.slices}: slices are for feedforward networks; with "
                           f"--recurrent {config.recurrent} use 0 or 1")
     validate_estimator(config)
@@ -2714,6 +2998,22 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
         network = make_network(config, env)
         load_policy(config, env, network, config.init_params, "--init-params")
         load_policy(config, env, network, config.ref_params, "--ref-params")
+
+
+def check_action_dist(config: Config, space) -> None:
+    """--action-dist and --state-std against the env's action space."""
+    if isinstance(space, spaces.Discrete) or hasattr(space, "spaces"):
+        for name, default in (("action_dist", "gaussian"), ("state_std", False)):
+            if getattr(config, name) != default:
+                raise ConfigError(f"{flag(name)}: {config.env}'s actions are discrete (a categorical policy): leave it "
+                                  "out")
+        return
+    if config.action_dist == "beta" and config.state_std:
+        raise ConfigError("--state-std: the Beta policy has no std (its head gives alpha and beta): leave it out")
+    bounded = np.all(np.isfinite(np.asarray(space.low))) and np.all(np.isfinite(np.asarray(space.high)))
+    if config.action_dist != "gaussian" and not bounded:
+        raise ConfigError(f"--action-dist {config.action_dist} maps onto the action bounds, and {config.env}'s are not "
+                          "finite: use --action-dist gaussian")
 
 
 def validate_estimator(config: Config) -> None:
@@ -2848,7 +3148,7 @@ SHARD_SAMPLES = 512  # --env-devices auto: each device keeps at least this many 
 def shards_fit(config: Config, shards: int) -> bool:
     """Whether an agent's envs can be sharded over `shards` devices: it must divide the envs and each
     minibatch (recurrent: its env sequences), and a device's part of a minibatch must divide into --slices."""
-    recurrent = config.recurrent != "none"
+    recurrent = config.is_recurrent
     units = config.num_envs // config.num_minibatches if recurrent else config.minibatch_size
     return (config.num_envs % shards == 0 and units % shards == 0
             and (config.minibatch_size // shards) % max(1, config.slices) == 0)
@@ -3082,7 +3382,7 @@ GUARDED_METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "grad_no
 
 def guarded_metrics(config: Config) -> tuple[str, ...]:
     """The metrics the NaN guard watches (a critic-free run has no value loss: NaN by design)."""
-    return tuple(name for name in GUARDED_METRICS if config.adv_estimator == "gae" or name != "value_loss")
+    return tuple(name for name in GUARDED_METRICS if config.has_critic or name != "value_loss")
 
 
 def first_nonfinite(metrics: dict[str, np.ndarray], start: int = 0, names=GUARDED_METRICS) -> str | None:
@@ -4814,8 +5114,8 @@ def act(network: ActorCritic, policy: Policy, raw_obs, first, hidden, hparams: H
     begins an episode), its mode (argmax; the Gaussian's mean) or a sample, and its recurrent state
     after the step -> (action, hidden)."""
     observed = observe(policy.obs_stats, raw_obs, hparams)
-    hidden, dist, _ = policy_step(network, policy.params, observed, first, hidden)
-    return (dist.mode() if deterministic else dist.sample(key)), hidden
+    out = policy_step(network, policy.params, observed, first, hidden)
+    return out.dist.env_action(out.dist.mode() if deterministic else out.dist.sample(key)), out.hidden
 
 
 class TrainedPolicy:
@@ -5077,9 +5377,10 @@ def responses_program(config: Config, num: int):
         hidden, log_prob = initial_hidden(network, num), jnp.zeros(num)
         for t, key in enumerate(jax.random.split(key, p.length)):
             obs = get_obs(ToyRLHFState(time=jnp.full(num, t), tokens=tokens), p)
-            hidden, dist, _ = policy_step(network, policy.params, observe(policy.obs_stats, obs, config.hparams),
-                                          jnp.full(num, t == 0), hidden)
-            action = dist.sample_from(Categorical.noise(key, (num, env.action_dim)))
+            out = policy_step(network, policy.params, observe(policy.obs_stats, obs, config.hparams),
+                              jnp.full(num, t == 0), hidden)
+            hidden, dist = out.hidden, out.dist
+            action = dist.sample_from(network.distribution.noise(key, (num, env.action_dim)))
             log_prob, tokens = log_prob + dist.log_prob(action), tokens.at[:, t].set(action)
         return tokens, log_prob
 
@@ -6043,7 +6344,7 @@ def slices_per_pass(config: Config, shards: int = 1) -> int:
     """--slices, with 0 (auto) resolved: on CPU, for feedforward networks, the most slices of at
     least SLICE_SAMPLES samples of a minibatch (with sharded envs, of each device's part of it), up
     to MAX_SLICES, that divide it."""
-    if config.slices or config.recurrent != "none" or not on_cpu():
+    if config.slices or config.is_recurrent or not on_cpu():
         return config.slices or 1
     samples = config.minibatch_size // shards
     most = max(1, min(MAX_SLICES, samples // SLICE_SAMPLES))

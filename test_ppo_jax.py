@@ -82,7 +82,7 @@ def first_rollout(config: P.Config, key, hparams: P.HParams | None = None):
     hparams = config.hparams if hparams is None else hparams
     env = P.make_env(config)
     network = P.make_network(config, env)
-    state = P.init_train_state(key, env, network, P.make_optimizer(hparams, hparams.lr), hparams)
+    state = P.init_train_state(key, config, env, network, hparams)
     rollout = jax.jit(P.collect_rollout, static_argnums=(1, 2, 3))
     after, traj = rollout(state, env, network, config.num_steps, hparams)
     return network, state, after, traj
@@ -300,6 +300,66 @@ def test_diag_gaussian_log_prob_and_entropy_match_scipy():
     np.testing.assert_allclose(dist.entropy(), np.full(6, expected_entropy), rtol=1e-5)
 
 
+BOUNDS = dict(low=(-2.0, 0.0), high=(2.0, 3.0))  # a box of two dimensions, each its own range
+
+
+@pytest.mark.fast
+def test_tanh_gaussian_is_the_gaussian_pushed_through_tanh_onto_the_bounds():
+    """The squashed policy (--action-dist tanh_gaussian) against scipy and Monte Carlo in float64:
+    the env's action in the box; its log-prob the density of that action (change of variables); its
+    entropy (the quadrature's) within Monte Carlo's error of the true one, for narrow and wide stds;
+    its KL the Gaussians' (invariant under the same bijection) and Monte Carlo's."""
+    rng, n = np.random.default_rng(3), 400_000
+    mean, log_std = np.float32([[0.3, -1.2], [1.5, 0.2]]), np.float32([[-1.0, 0.5], [0.8, -0.3]])
+    dist = P.TanhGaussian(jnp.asarray(mean), jnp.asarray(log_std), **BOUNDS)
+    low, high = np.asarray(BOUNDS["low"]), np.asarray(BOUNDS["high"])
+    u = rng.normal(mean, np.exp(log_std), size=(n, 2, 2))
+    a = low + (np.tanh(u) + 1) / 2 * (high - low)
+    np.testing.assert_allclose(dist.env_action(jnp.asarray(u[:5], jnp.float32)), a[:5], rtol=1e-5, atol=1e-5)
+    assert np.all((a >= low) & (a <= high))
+    jacobian = (high - low) / 2 * (1 - np.tanh(u) ** 2)  # da/du
+    log_density = (scipy.stats.norm(mean, np.exp(log_std)).logpdf(u) - np.log(jacobian)).sum(-1)
+    np.testing.assert_allclose(dist.log_prob(jnp.asarray(u[:100], jnp.float32)), log_density[:100], rtol=1e-4,
+                               atol=1e-4)
+    entropy = -log_density  # H = E[-log p(a)], per state
+    np.testing.assert_allclose(dist.entropy(), entropy.mean(0), atol=4 * entropy.std(0).max() / n**0.5 + 2e-3)
+    other = P.TanhGaussian(jnp.asarray(mean + 0.4), jnp.asarray(log_std - 0.3), **BOUNDS)
+    gaussians = P.DiagGaussian(dist.mean, dist.log_std).kl(P.DiagGaussian(other.mean, other.log_std))
+    np.testing.assert_allclose(dist.kl(other), gaussians, rtol=1e-6)
+    log_ratio = log_density - np.asarray(other.log_prob(jnp.asarray(u, jnp.float32)), np.float64)
+    np.testing.assert_allclose(dist.kl(other), log_ratio.mean(0), atol=4 * log_ratio.std(0).max() / n**0.5)
+    assert np.all(np.asarray(dist.mode()) == mean)  # the env gets tanh's image of the Gaussian's mode
+
+
+@pytest.mark.fast
+def test_beta_policy_matches_scipy_and_samples_the_beta():
+    """The Beta policy (--action-dist beta, Chou et al. 2017) against scipy.stats.beta: log-prob and
+    entropy of the env's action low + x (high - low), KL by Monte Carlo, the samples' moments (from
+    keys drawn in one call, as a rollout draws its noise), inside (0, 1); the mode."""
+    rng, n = np.random.default_rng(4), 200_000
+    alpha, beta = np.float32([[1.5, 4.0], [2.5, 1.2]]), np.float32([[3.0, 1.1], [2.5, 6.0]])
+    dist = P.Beta(jnp.asarray(alpha), jnp.asarray(beta), **BOUNDS)
+    low, high = np.asarray(BOUNDS["low"]), np.asarray(BOUNDS["high"])
+    scaled = scipy.stats.beta(alpha, beta, loc=low, scale=high - low)
+    x = rng.beta(alpha, beta, size=(1000, 2, 2))
+    np.testing.assert_allclose(dist.log_prob(jnp.asarray(x, jnp.float32)), scaled.logpdf(low + x * (high - low)).sum(-1),
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dist.entropy(), scaled.entropy().sum(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dist.env_action(jnp.asarray(x[:3], jnp.float32)), low + x[:3] * (high - low), rtol=1e-6)
+    other = P.Beta(jnp.asarray(alpha * 1.3), jnp.asarray(beta + 0.5), **BOUNDS)
+    draws = rng.beta(alpha, beta, size=(n, 2, 2))
+    log_ratio = (scipy.stats.beta(alpha, beta).logpdf(draws)
+                 - scipy.stats.beta(alpha * 1.3, beta + 0.5).logpdf(draws)).sum(-1)
+    np.testing.assert_allclose(dist.kl(other), log_ratio.mean(0), atol=4 * log_ratio.std(0).max() / n**0.5)
+    assert np.all(np.asarray(dist.kl(dist)) == 0.0)
+    noise = P.Beta.noise(jax.random.PRNGKey(0), (n, 2, 2))  # a key per [n, 2] row
+    samples = np.asarray(jax.vmap(lambda keys: dist.sample_from(keys))(noise), np.float64)
+    assert samples.shape == (n, 2, 2) and samples.min() > 0 and samples.max() < 1
+    np.testing.assert_allclose(samples.mean(0), scipy.stats.beta(alpha, beta).mean(), atol=5e-3)
+    np.testing.assert_allclose(samples.std(0), scipy.stats.beta(alpha, beta).std(), atol=5e-3)
+    np.testing.assert_allclose(dist.mode(), (alpha - 1) / (alpha + beta - 2), rtol=1e-5)
+
+
 def test_orthogonal_init_matches_flax_without_lapack():
     import flax.linen as nn
 
@@ -354,7 +414,7 @@ def test_log_std_init_sets_the_gaussians_initial_std_per_agent_and_leaves_the_re
         chex.assert_trees_all_equal(rest(jax.tree.map(lambda x: x[i], batch.params)),
                                     rest(jax.tree.map(lambda x: x[0], batch.params)))
     one = jax.tree.map(lambda x: x[1], batch.params)
-    _, dist, _ = network.apply(one, jnp.zeros((4096, env.obs_dim)))
+    dist = network.apply(one, jnp.zeros((4096, env.obs_dim))).dist
     spread = np.std(np.asarray(dist.sample(jax.random.PRNGKey(0)) - dist.mean))
     assert spread == pytest.approx(np.exp(-0.5), rel=0.05)
 
@@ -483,7 +543,7 @@ def test_the_rollout_records_what_the_env_stepped_by_hand_gives(env_id):
     network = P.make_network(config, env)
     T, N, limit = config.num_steps, config.num_envs, env.episode_limit()
     suite_step = jax.jit(lambda key, state, action: env.env.step_env(key, state, action, env.env_params))
-    state = P.init_train_state(jax.random.PRNGKey(0), env, network, P.make_optimizer(hparams, hparams.lr), hparams)
+    state = P.init_train_state(jax.random.PRNGKey(0), config, env, network, hparams)
     step_envs = jax.jit(P.step_envs, static_argnums=(1, 2, 3))
     process = jax.jit(P.process_rollout, static_argnums=(2, 3))
     with jax.enable_x64(True):
@@ -496,7 +556,7 @@ def test_the_rollout_records_what_the_env_stepped_by_hand_gives(env_id):
     length, episode_return, running = np.zeros(N, int), np.zeros(N), np.zeros(N)
     every_obs, every_return, ended = [], [], {"terminated": 0, "truncated": 0}
     for r in range(2):
-        next_key, noise, step_keys, (fresh_obs, fresh_states) = P.rollout_randomness(state.key, env, T)
+        next_key, noise, step_keys, (fresh_obs, fresh_states) = P.rollout_randomness(state.key, env, network, T)
         after, raw = step_envs(state, env, network, T, hparams)
         processed, traj = process(after, raw, env, network, hparams)
         mean, var = (np.asarray(x, np.float64) for x in (state.obs_stats.mean, state.obs_stats.var))
@@ -569,7 +629,7 @@ def test_ratio_is_exactly_one_on_first_minibatch():
     permutation = jax.random.permutation(jax.random.PRNGKey(4), config.batch_size)
     first = jax.tree.map(lambda x: x[0], P.shuffle_into_minibatches(permutation, batch, 4))
     chex.assert_shape(first.obs, (config.minibatch_size, 4))
-    _, dist, _ = network.apply(state.params, first.obs)  # the first gradient step's params
+    dist = network.apply(state.params, first.obs).dist  # the first gradient step's params
     ratio = jnp.exp(dist.log_prob(first.action) - first.log_prob)
     np.testing.assert_array_equal(ratio, 1.0)
 
@@ -705,8 +765,9 @@ def test_hparams_are_traced_not_compiled_in():
 
 def reference_network(params, obs):
     """The actor-critic MLP (separate tanh trunks, linear heads) from its parameter dict: obs [B, D]
-    -> (policy output [B, A]: logits or Gaussian means, log_std [A] (None if discrete), values [B]: 0
-    without a critic)."""
+    -> (policy output [B, A]: logits or Gaussian means, or [B, 2A] a Beta's alpha and beta before
+    1 + softplus; log_std [A], or [B, A] from a std head (softplus + 0.001); None if discrete or Beta;
+    values [B]: 0 without a critic)."""
     p = params["params"]
 
     def mlp(x, name, head):
@@ -717,7 +778,8 @@ def reference_network(params, obs):
         return x @ p[head]["kernel"] + p[head]["bias"]
 
     values = mlp(obs, "critic", "value_head")[:, 0] if "value_head" in p else jnp.zeros(len(obs))  # critic-free: 0
-    return mlp(obs, "actor", "policy_head"), p.get("log_std"), values
+    log_std = jnp.log(jnp.logaddexp(0.0, mlp(obs, "actor", "std_head")) + 1e-3) if "std_head" in p else p.get("log_std")
+    return mlp(obs, "actor", "policy_head"), log_std, values
 
 
 def reference_initial_params(config: P.Config, h: P.HParams, key, obs):
@@ -729,38 +791,85 @@ def reference_initial_params(config: P.Config, h: P.HParams, key, obs):
 
     env = P.make_env(config)
     kernel_init = nn.initializers.orthogonal if bool(h.ortho_init) else lambda gain: nn.initializers.lecun_normal()
+    beta = not env.discrete and config.action_dist == "beta"
 
     class Network(nn.Module):
         @nn.compact
         def __call__(self, x):
-            parts = [("actor", "policy_head", env.action_dim, 0.01), ("critic", "value_head", 1, 1.0)]
+            parts = [("actor", "policy_head", env.action_dim * (2 if beta else 1), 0.01), ("critic", "value_head", 1, 1.0)]
             for trunk, head, width, gain in parts[:1 if config.adv_estimator != "gae" else 2]:  # critic-free: no critic
                 y = x
                 for i, size in enumerate(config.hidden_sizes):
                     y = jnp.tanh(nn.Dense(size, kernel_init=kernel_init(math.sqrt(2)), name=f"{trunk}_{i}")(y))
                 nn.Dense(width, kernel_init=kernel_init(gain), name=head)(y)
-            if not env.discrete:
+                if head == "policy_head" and config.state_std:  # softplus(bias) + 0.001 = exp(log_std_init)
+                    bias = math.log(math.expm1(math.exp(float(h.log_std_init)) - 1e-3))
+                    nn.Dense(env.action_dim, kernel_init=kernel_init(0.01), bias_init=nn.initializers.constant(bias),
+                             name="std_head")(y)
+            if not env.discrete and not beta and not config.state_std:
                 self.param("log_std", nn.initializers.constant(float(h.log_std_init)), (env.action_dim,))
 
     return Network().init(key, obs[None])
 
 
-def reference_log_prob_and_entropy(out, log_std, actions, discrete: bool):
-    if discrete:
+class Kind:
+    """The policy's distribution as the reference knows it: discrete, gaussian, tanh_gaussian or beta,
+    and the env's action bounds (continuous)."""
+
+    def __init__(self, config: P.Config):
+        env, env_params = P.make_gymnax(config.env, config.env_params)
+        space = env.action_space(env_params)
+        self.name = "discrete" if not hasattr(space, "low") else config.action_dist
+        bound = lambda x: np.broadcast_to(np.asarray(x, np.float64), space.shape).ravel()  # noqa: E731  [A]
+        self.low, self.high = (bound(space.low), bound(space.high)) if hasattr(space, "low") else (None, None)
+
+    def beta(self, out):  # Chou et al.: 1 + softplus of the head's two halves
+        a = out.shape[-1] // 2
+        return 1 + jnp.logaddexp(0.0, out[:, :a]), 1 + jnp.logaddexp(0.0, out[:, a:])
+
+    def env_action(self, actions):
+        if self.name == "tanh_gaussian":
+            return self.low + (jnp.tanh(actions) + 1) / 2 * (self.high - self.low)
+        return self.low + actions * (self.high - self.low) if self.name == "beta" else actions
+
+
+def reference_log_prob_and_entropy(out, log_std, actions, kind: Kind):
+    if kind.name == "discrete":
         log_p = out - jax.scipy.special.logsumexp(out, axis=-1, keepdims=True)
         return log_p[jnp.arange(len(actions)), actions], -jnp.sum(jnp.exp(log_p) * log_p, -1)
+    if kind.name == "beta":  # the density of low + x (high - low)
+        a, b = kind.beta(out)
+        betaln, digamma = jax.scipy.special.betaln, jax.scipy.special.digamma
+        log_range = np.log(kind.high - kind.low)
+        log_p = (a - 1) * jnp.log(actions) + (b - 1) * jnp.log(1 - actions) - betaln(a, b) - log_range
+        entropy = betaln(a, b) - (a - 1) * digamma(a) - (b - 1) * digamma(b) + (a + b - 2) * digamma(a + b) + log_range
+        return jnp.sum(log_p, -1), jnp.sum(entropy, -1)
+    log_std = jnp.broadcast_to(log_std, out.shape)
     z = (actions - out) / jnp.exp(log_std)
     log_2pi = math.log(2 * math.pi)
-    entropy = jnp.sum(log_std + 0.5 + 0.5 * log_2pi)  # the same in every state: log_std is a parameter
-    return jnp.sum(-0.5 * z**2 - log_std - 0.5 * log_2pi, -1), jnp.broadcast_to(entropy, (len(actions),))
+    log_p, entropy = jnp.sum(-0.5 * z**2 - log_std - 0.5 * log_2pi, -1), jnp.sum(log_std + 0.5 + 0.5 * log_2pi, -1)
+    if kind.name == "tanh_gaussian":  # a = low + (tanh u + 1)(high - low)/2: minus log da/du, and its expectation
+        log_jacobian = lambda u: jnp.log((kind.high - kind.low) / 2 * (1 - jnp.tanh(u) ** 2))  # noqa: E731
+        nodes, weights = np.polynomial.hermite.hermgauss(32)  # the quadrature the policy's entropy is defined by
+        u = out[..., None] + math.sqrt(2) * jnp.exp(log_std)[..., None] * nodes  # [B, A, K]
+        low, high = kind.low[:, None], kind.high[:, None]
+        expected = jnp.sum(weights * jnp.log((high - low) / 2 * (1 - jnp.tanh(u) ** 2)), -1) / math.sqrt(math.pi)
+        log_p, entropy = log_p - jnp.sum(log_jacobian(actions), -1), entropy + jnp.sum(expected, -1)
+    return log_p, entropy
 
 
-def reference_kl(out_p, log_std_p, out_q, log_std_q, discrete: bool):
-    """KL[p || q] per sample: sum_a p log(p/q); for Gaussians, the closed form per dimension, summed."""
-    if discrete:
+def reference_kl(out_p, log_std_p, out_q, log_std_q, kind: Kind):
+    """KL[p || q] per sample: sum_a p log(p/q); for Gaussians (squashed too: the same bijection), the
+    closed form per dimension, summed; for Betas, theirs."""
+    if kind.name == "discrete":
         log_p = out_p - jax.scipy.special.logsumexp(out_p, -1, keepdims=True)
         log_q = out_q - jax.scipy.special.logsumexp(out_q, -1, keepdims=True)
         return jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1)
+    if kind.name == "beta":
+        (a, b), (c, d) = kind.beta(out_p), kind.beta(out_q)
+        betaln, digamma = jax.scipy.special.betaln, jax.scipy.special.digamma
+        return jnp.sum(betaln(c, d) - betaln(a, b) + (a - c) * digamma(a) + (b - d) * digamma(b)
+                       + (c - a + d - b) * digamma(a + b), -1)
     var_p, var_q = jnp.exp(2 * log_std_p), jnp.exp(2 * log_std_q)
     return jnp.sum(log_std_q - log_std_p + (var_p + (out_p - out_q) ** 2) / (2 * var_q) - 0.5, -1)
 
@@ -775,7 +884,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
         f64 = lambda tree: jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), tree)  # noqa: E731
         flat = lambda x: np.asarray(x).reshape(B, *np.shape(x)[2:])  # noqa: E731  [T, N, ...] -> [B, ...] (t-major)
         params = f64(state.params)
-        discrete = "log_std" not in params["params"]
+        discrete = (kind := Kind(config)).name == "discrete"
         actions = jnp.asarray(flat(raw.action)) if discrete else f64(flat(raw.action))
 
         def normalise(x, stats):  # --norm-obs, with the statistics of the rollout's start
@@ -787,7 +896,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
         raw_obs = f64(flat(raw.obs))
         obs, final_obs = normalise(raw_obs, state.obs_stats), normalise(f64(flat(raw.final_obs)), state.obs_stats)
         old_out, old_log_std, old_values = reference_network(params, obs)
-        old_log_probs, _ = reference_log_prob_and_entropy(old_out, old_log_std, actions, discrete)
+        old_log_probs, _ = reference_log_prob_and_entropy(old_out, old_log_std, actions, kind)
         next_values = np.asarray(reference_network(params, final_obs)[2]).reshape(T, N)
         values = np.asarray(old_values).reshape(T, N)
 
@@ -815,10 +924,10 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
         if beta > 0:
             reference = f64(state.reference.params)
             ref_out, ref_log_std, _ = reference_network(reference, normalise(raw_obs, state.reference.obs_stats))
-            ref_log_probs, _ = reference_log_prob_and_entropy(ref_out, ref_log_std, actions, discrete)
+            ref_log_probs, _ = reference_log_prob_and_entropy(ref_out, ref_log_std, actions, kind)
             if not in_loss:
                 rewards = rewards - beta * np.asarray(old_log_probs - ref_log_probs).reshape(T, N)
-            per_step = reference_kl(old_out, old_log_std, ref_out, ref_log_std, discrete)
+            per_step = reference_kl(old_out, old_log_std, ref_out, ref_log_std, kind)
             ref_kl, ref_kl_sum = float(per_step.mean()), float(per_step.sum())
 
         # GAE, one env and one step at a time: a termination cuts the bootstrap, a truncation
@@ -846,7 +955,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
 
         def loss(params, idx, minibatch_advantages, kl_coef):  # PPO paper Eq. 9, with Eq. 8's penalty
             out, log_std, new_values = reference_network(params, obs[idx])
-            log_probs, entropy = reference_log_prob_and_entropy(out, log_std, actions[idx], discrete)
+            log_probs, entropy = reference_log_prob_and_entropy(out, log_std, actions[idx], kind)
             ratio = jnp.exp(log_probs - old_log_probs[idx])
             surrogate = ratio * minibatch_advantages
             high = h.clip_eps_high or h.clip_eps  # DAPO's clip-higher: the band's upper edge
@@ -865,7 +974,8 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
                 policy_loss=-surrogate.mean(), value_loss=0.5 * squared.mean() if critic else jnp.nan,
                 entropy=entropy.mean(), approx_kl=jnp.mean(ratio - 1 - jnp.log(ratio)),
                 clip_frac=jnp.mean(outside | dual))
-            kl = reference_kl(old_out[idx], old_log_std, out, log_std, discrete).mean()
+            old_std = old_log_std[idx] if np.ndim(old_log_std) == 2 else old_log_std  # a std head's: per state
+            kl = reference_kl(old_out[idx], old_std, out, log_std, kind).mean()
             total = (diagnostics["policy_loss"] + kl_coef * kl - h.ent_coef * diagnostics["entropy"]
                      + (h.vf_coef * diagnostics["value_loss"] if critic else 0.0))
             if in_loss and beta > 0:  # GRPO's placement, k3: rho - 1 - log rho, rho = pi_ref(a) / pi(a), through pi
@@ -908,7 +1018,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
                 params = jax.tree.unflatten(treedef, new_leaves)
 
         new_out, new_log_std, _ = reference_network(params, obs)
-        kl = float(reference_kl(old_out, old_log_std, new_out, new_log_std, discrete).mean())
+        kl = float(reference_kl(old_out, old_log_std, new_out, new_log_std, kind).mean())
         next_kl_coef = kl_coef
         if h.kl_target > 0:  # PPO paper Sec. 4
             next_kl_coef = kl_coef / 2 if kl < h.kl_target / 1.5 else kl_coef * 2 if kl > 1.5 * h.kl_target else kl_coef
@@ -926,7 +1036,9 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
             episode_length=flat(raw.episode_length)[ended].mean() if ended.any() else np.nan,
             **{name: flat(value)[ended].mean() if ended.any() else np.nan  # the env's own (ToyRLHF's gold, ...)
                for name, value in raw.episode_metrics.items()},
-            param_norm=math.sqrt(sum(float(jnp.sum(leaf**2)) for leaf in jax.tree.leaves(params))))
+            param_norm=math.sqrt(sum(float(jnp.sum(leaf**2)) for leaf in jax.tree.leaves(params))),
+            **({} if discrete else {"action_clip_frac": np.mean(  # the share of components the env clipped
+                (kind.env_action(actions) < kind.low) | (kind.env_action(actions) > kind.high))}))
         return dict(params=jax.tree.map(np.asarray, params), mu=np.concatenate([np.ravel(m) for m in mu]),
                     nu=np.concatenate([np.ravel(v) for v in nu]), count=count, kl_coef=next_kl_coef,
                     ref_kl_coef=next_beta,
@@ -946,7 +1058,7 @@ class RecordedUpdate:
         self.config = config
         env = P.make_env(config)
         self.network = network = P.make_network(config, env)
-        self.init = lambda key, hparams: P.init_train_state(key, env, network, P.make_optimizer(hparams, hparams.lr), hparams)
+        self.init = lambda key, hparams: P.init_train_state(key, config, env, network, hparams)
         self.jitted_init = jax.jit(self.init)  # the switches traced, as in a batch whose agents differ in them
         self.update = jax.jit(lambda state, hparams: P.update_step(state, None, config, env, network, hparams))
         self.step_envs = jax.jit(lambda state, hparams: P.step_envs(state, env, network, config.num_steps, hparams))
@@ -1020,6 +1132,11 @@ REFERENCE_CASES = {  # name: (env, the update's HParams); large steps and a smal
     "dual_clip_unclipped": ("Pendulum-v1", dict(lr=3e-2, clip_eps=0.0, dual_clip=1.05)),
     "coefficients_and_init": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, ent_coef=0.05, vf_coef=2.0, gae_lambda=0.7,
                                                   clip_vloss=False, ortho_init=False, log_std_init=-0.7)),
+    # The other continuous policies (--state-std, --action-dist), each with the entropy bonus and the KL penalty acting.
+    "state_std": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, ent_coef=0.01, log_std_init=-0.5), dict(state_std=True)),
+    "tanh_gaussian": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, ent_coef=0.01, kl_coef=0.5),
+                      dict(action_dist="tanh_gaussian", state_std=True)),
+    "beta": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, ent_coef=0.01, kl_coef=0.5), dict(action_dist="beta")),
     # GRPO's recipe in miniature: critic-free group advantages, the k3 leash in the loss, on ToyRLHF's responses.
     "leash_k3_in_loss_grpo": ("ToyRLHF-v0", dict(ref_kl_coef=0.5, lr=3e-2, clip_eps=0.05, ent_coef=0.05),
                               dict(adv_estimator="grpo", ref_kl_in="loss", ref_kl_estimator="k3")),
@@ -1090,6 +1207,8 @@ def test_an_update_equals_the_independent_reference(case):
         assert reached["clip_frac"] > 0  # without clipping (dual_clip_unclipped): the dual clip binds
     if env == "Pendulum-v1":
         assert np.any(np.asarray(raw.done) & ~np.asarray(raw.terminated))  # a truncation
+        squashed = recorded.config.action_dist != "gaussian"  # mapped into the bounds: nothing for the env to clip
+        assert (reached["action_clip_frac"] == 0) if squashed else (reached["action_clip_frac"] > 0)
     else:
         assert np.any(np.asarray(raw.terminated))
     if case.startswith("leash"):
@@ -1187,10 +1306,10 @@ def test_leash_penalty_is_zero_at_the_reference_and_exact_elsewhere():
     state = state.replace(reference=P.Policy(other, state.obs_stats))
     env = P.make_env(config)
     _, traj = P.collect_rollout(state, env, network, config.num_steps, leashed)
-    _, ref_dist, _ = network.apply(other, traj.obs)
+    ref_dist = network.apply(other, traj.obs).dist
     expected = free.reward - 0.5 * (traj.log_prob - ref_dist.log_prob(traj.action))
     np.testing.assert_allclose(traj.reward, expected, rtol=1e-6, atol=1e-6)
-    _, dist, _ = network.apply(state.params, traj.obs)
+    dist = network.apply(state.params, traj.obs).dist
     p_now = scipy.special.softmax(np.asarray(dist.logits, np.float64), -1)
     p_ref = scipy.special.softmax(np.asarray(ref_dist.logits, np.float64), -1)
     np.testing.assert_allclose(traj.ref_kl, scipy.stats.entropy(p_now, p_ref, axis=-1), atol=1e-6)
@@ -1211,6 +1330,28 @@ def test_ppo_penalty_beta_follows_the_adaptive_rule():
 
 
 @pytest.mark.fast
+def test_the_epoch_hook_gives_the_batch_each_epoch_trains_on(monkeypatch):
+    """epoch_targets, called before each epoch with that epoch's params: a batch it returns is the one
+    trained on. Its advantages zeroed (no entropy bonus, no KL penalty): the actor's params stay as they
+    were, bit for bit, while the critic learns; and it sees the params of every epoch, each its own."""
+    seen = []
+
+    def no_advantages(params, batch, traj, hparams, setup):
+        jax.debug.callback(lambda norm: seen.append(float(norm)), optax.tree.norm(params))
+        return batch.replace(advantages=jnp.zeros_like(batch.advantages))
+
+    monkeypatch.setattr(P, "epoch_targets", no_advantages)
+    recorded = RecordedUpdate(tiny_config(update_epochs=3))
+    hparams = P.HParams(ent_coef=0.0, lr=1e-2)
+    state = recorded.init(jax.random.PRNGKey(0), hparams)
+    after, metrics = recorded.update(state, hparams)
+    chex.assert_trees_all_equal(actor_params(after.params), actor_params(state.params))
+    assert float(metrics["policy_loss"]) == 0.0 and float(metrics["value_loss"]) > 0
+    assert not np.allclose(after.params["params"]["value_head"]["kernel"], state.params["params"]["value_head"]["kernel"])
+    assert len(seen) == 3 and len(set(seen)) == 3  # three epochs, each from the params the last one left
+
+
+@pytest.mark.fast
 def test_a_stopped_step_leaves_the_params_and_the_optimizer_state_as_they_were():
     """minibatch_step after --target-kl's stop: params and make_optimizer's whole state unchanged, bit
     for bit, and the diagnostics still measured; the same step unstopped moves both."""
@@ -1221,7 +1362,8 @@ def test_a_stopped_step_leaves_the_params_and_the_optimizer_state_as_they_were()
     hparams = config.hparams.replace(lr=1e-2)
     tx = P.make_optimizer(hparams, hparams.lr)
     opt_state = tx.update(jax.tree.map(jnp.ones_like, state.params), tx.init(state.params), state.params)[1]
-    step = jax.jit(lambda carry: P.minibatch_step(carry, minibatch, network, tx, hparams, 0.0, P.Parts()))
+    setup = P.Setup.of(config, P.make_env(config), network)
+    step = jax.jit(lambda carry: P.minibatch_step(carry, minibatch, tx, hparams, 0.0, setup))
     (params, kept, stopped), diagnostics = step((state.params, opt_state, jnp.array(True)))
     chex.assert_trees_all_equal((params, kept), (state.params, opt_state))
     assert bool(stopped) and diagnostics["grad_steps"] == 0 and float(diagnostics["grad_norm"]) > 0
@@ -1256,9 +1398,11 @@ def test_slices_give_the_whole_minibatch_gradient_step():
     start = unravel(flat + 0.15 * jax.random.normal(jax.random.PRNGKey(7), flat.shape))  # ratios away from 1
     hparams = dataclasses.replace(config.hparams, clip_eps=0.1)
     tx = P.make_optimizer(hparams, 1e-3)
+    setup = P.Setup.of(config, P.make_env(config), network)
 
     def step(slices):
-        fn = lambda carry, mb: P.minibatch_step(carry, mb, network, tx, hparams, 0.5, P.Parts(slices))  # noqa: E731
+        fn = lambda carry, mb: P.minibatch_step(carry, mb, tx, hparams, 0.5,  # noqa: E731
+                                                dataclasses.replace(setup, parts=P.Parts(slices)))
         return jax.jit(fn)((start, tx.init(start), jnp.array(False)), minibatch)
 
     (whole_params, whole_adam, _), whole = step(1)
@@ -1419,13 +1563,14 @@ def test_switches_push_the_way_they_should():
         state = recorded.state_before(2, hparams)
         after, _, raw, _ = recorded(state, hparams)
         obs = np.asarray(raw.obs).reshape(-1, raw.obs.shape[-1])
-        before_values = recorded.network.apply(state.params, obs)[2]
-        after_values = recorded.network.apply(after.params, obs)[2]
+        before_values = recorded.network.apply(state.params, obs).value
+        after_values = recorded.network.apply(after.params, obs).value
         moved.append(float(jnp.mean(jnp.abs(after_values - before_values))))
     assert moved[1] < 0.5 * moved[0], moved
 
 
-@pytest.mark.parametrize("static", [dict(shared_trunk=True), dict(activation="relu")])
+@pytest.mark.parametrize("static", [dict(shared_trunk=True), dict(activation="relu"), dict(state_std=True),
+                                    dict(action_dist="tanh_gaussian"), dict(action_dist="beta")])
 def test_static_switches_change_the_run(static):
     config = switch_test_config()
     _, base = TrainPrograms(config)(jax.random.PRNGKey(0), config.hparams)
@@ -1526,6 +1671,62 @@ def forked(tmp_path, *edits: tuple[str, str], name: str = "forked_ppo_jax"):
     return module
 
 
+DOCS_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "results.md")
+
+
+def docs_fork(tmp_path, name: str):
+    """docs/results.md's fork `name`: its diff applied by `git apply` to a copy of ppo_jax.py, imported."""
+    text = open(DOCS_RESULTS).read()
+    start = text.index(f"<!-- fork: {name} -->\n```diff\n") + len(f"<!-- fork: {name} -->\n```diff\n")
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "ppo_jax.py").write_text(open(P.__file__).read())
+    (directory / "fork.diff").write_text(text[start:text.index("```", start)])
+    subprocess.run(["git", "apply", "fork.diff"], cwd=directory, check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location(f"fork_{name}", directory / "ppo_jax.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[f"fork_{name}"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_forks_apply_and_run(tmp_path):
+    """Each structural fork of docs/results.md ("Forks"), applied as a forker would, runs and does what
+    it says. V-trace: at one epoch and lambda 1 (rho = 1, c = 1) its targets and advantages are GAE's,
+    so the run is PPO's up to float rounding; with four epochs, another. The critic-only GRU: the cell
+    is the critic's, and the run learns no worse than finite. PPG's head: trained, through the actor."""
+    tiny = ["--total-timesteps", str(4 * 32 * 4), "--num-steps", "32", "--hidden-sizes", "16", "--table-rows", "0",
+            "--quiet"]
+
+    def metrics(module, name, *flags):
+        module.main([*tiny, *flags, "--run-dir", str(tmp_path / "runs" / name)])
+        found = read_metrics_csv(tmp_path / "runs" / name / "metrics.csv")
+        assert all(np.all(np.isfinite(found[m])) for m in P.GUARDED_METRICS), name
+        return found
+
+    vtrace = docs_fork(tmp_path, "vtrace")
+    one_epoch = ["--update-epochs", "1", "--gae-lambda", "1"]
+    gae, same = metrics(P, "gae", *one_epoch), metrics(vtrace, "vtrace", *one_epoch)
+    for metric, values in gae.items():
+        np.testing.assert_allclose(same[metric], values, rtol=2e-3, atol=1e-6, err_msg=metric)
+    assert not np.allclose(metrics(vtrace, "vtrace4")["value_loss"], metrics(P, "gae4")["value_loss"])
+
+    gru = docs_fork(tmp_path, "critic_gru")
+    config = gru.Config(env="MemoryChain-bsuite", recurrent="gru", recurrent_size=8)
+    env = gru.make_env(config)
+    paths = {path for path in param_paths(gru.make_network(config, env), env) if "gru" in path}
+    assert paths and all(gru.is_critic(path) for path in paths)
+    metrics(gru, "critic_gru", "--env", "MemoryChain-bsuite", "--recurrent", "gru", "--recurrent-size", "8",
+            "--num-minibatches", "2")
+
+    ppg = docs_fork(tmp_path, "ppg_aux")
+    after = ppg.run(ppg.Config(total_timesteps=4 * 32 * 2, num_steps=32, hidden_sizes=(16,)))
+    before = P.run(P.Config(total_timesteps=4 * 32 * 2, num_steps=32, hidden_sizes=(16,)))
+    assert "aux_value_head" in after.state.params["params"]
+    assert not np.allclose(after.state.params["params"]["actor_0"]["kernel"],
+                           before.state.params["params"]["actor_0"]["kernel"])
+
+
 def param_paths(network, env) -> set[str]:
     params = jax.eval_shape(lambda key: P.init_policy(key, env, network, P.HParams(), jnp.zeros((1, env.obs_dim))),
                             jax.random.PRNGKey(0)).params
@@ -1550,7 +1751,7 @@ def test_is_critic_names_exactly_the_parameters_only_a_critic_has(static):
 def test_a_layer_added_to_the_critics_trunk_is_the_critics(tmp_path):
     """A fork that adds a layer (a LayerNorm named as the docstring says) to the critic's trunk: its
     parameters are the critic's by is_critic, and a critic-free run loads that fork's policy."""
-    fork = forked(tmp_path, ('values = layer(1, 1.0, "value_head")(critic_features)[..., 0]',
+    fork = forked(tmp_path, ('value = layer(1, 1.0, "value_head")(critic_features)[..., 0]',
                              '            critic_features = nn.LayerNorm(name="critic_norm")(critic_features)\n'),
                   name="fork_critic_norm")
     config = fork.Config(**dataclasses.asdict(tiny_config(env="Catch-bsuite")) | {"hparams": fork.HParams()})
@@ -1654,7 +1855,8 @@ def test_cnn_torso_is_a_3x3_convolution_shared_by_actor_and_critic():
     assert jax.tree.map(jnp.shape, params["params"]) == {
         "conv": {"kernel": (36, 16), "bias": (16,)}, "trunk_0": {"kernel": (1600, 128), "bias": (128,)},
         "policy_head": {"kernel": (128, 3), "bias": (3,)}, "value_head": {"kernel": (128, 1), "bias": (1,)}}
-    _, dist, values = network.apply(params, obs)
+    out = network.apply(params, obs)
+    dist, values = out.dist, out.value
     chex.assert_shape([dist.logits, values], [(5, 7, 3), (5, 7)])
 
     conv = params["params"]["conv"]
@@ -1671,6 +1873,41 @@ def test_cnn_torso_is_a_3x3_convolution_shared_by_actor_and_critic():
     assert P.make_network(dataclasses.replace(config, torso="mlp"), env).image_shape is None
     with pytest.raises(P.ConfigError, match="--torso cnn"):
         P.validate(tiny_config(torso="cnn"))
+
+
+def test_a_grid_goes_through_the_conv_torso_and_the_other_fields_beside_it():
+    """Jumanji's grid fields (Snake's grid, Maze's walls) are an image for the conv torso (Snake's by
+    default, --torso auto; any with --torso cnn), wherever the field lies in the flat observation; the
+    other fields join the conv's features flat, the action mask stays out. Checked against
+    lax.conv_general_dilated on the grid cut out by hand, through the first actor layer; --torso mlp
+    keeps the flat MLP, as auto does for Tetris (measured worse with the conv)."""
+    pytest.importorskip("jumanji")
+    tetris = P.default_config("jumanji:Tetris-v0")
+    assert P.make_network(tetris, P.make_env(tetris)).image_shape is None
+    for env_id, start, shape, torso in (("jumanji:Snake-v1", 0, (12, 12, 5), "auto"),
+                                        ("jumanji:Maze-v0", 4, (10, 10, 1), "cnn")):
+        config = P.default_config(env_id, torso=torso)
+        env = P.make_env(config)
+        network = P.make_network(config, env)
+        assert env.image == (start, shape) and (network.image_start, network.image_shape) == (start, shape)
+        features = env.obs_dim - env.action_mask_size  # the mask's columns are last
+        obs = jax.random.uniform(jax.random.PRNGKey(0), (3, env.obs_dim))
+        obs = obs.at[:, features:].set(1.0)  # every action legal
+        params = network.init(jax.random.PRNGKey(1), obs)
+        _, intermediates = network.apply(params, obs, capture_intermediates=True, mutable=["intermediates"])
+        conv = params["params"]["conv"]
+        kernel = conv["kernel"].reshape(shape[2], 3, 3, 16).transpose(1, 2, 0, 3)  # [C*3*3, O] -> HWIO
+        image = obs[:, start:start + math.prod(shape)].reshape(3, *shape)
+        maps = jax.nn.relu(jax.lax.conv_general_dilated(image, kernel, (1, 1), "SAME",
+                                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + conv["bias"])
+        beside = jnp.concatenate([obs[:, :start], obs[:, start + math.prod(shape):features]], axis=1)
+        inputs = jnp.concatenate([maps.reshape(3, -1), beside], axis=1)
+        actor = params["params"]["actor_0"]
+        assert actor["kernel"].shape == (math.prod(shape[:2]) * 16 + features - math.prod(shape), 64)
+        np.testing.assert_allclose(intermediates["intermediates"]["actor_0"]["__call__"][0],
+                                   inputs @ actor["kernel"] + actor["bias"], rtol=1e-4, atol=1e-4)
+        assert P.make_network(dataclasses.replace(config, torso="mlp"), env).image_shape is None
+        P.validate(dataclasses.replace(config, torso="cnn"), check_run_dir=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1715,7 +1952,8 @@ def test_gru_state_matches_numpy_and_resets_exactly_where_episodes_begin():
         np.testing.assert_array_equal(first, np.concatenate([previous_done[None], np.asarray(steps.done)[:-1]]))
         assert first[1:].sum() >= 8  # 24 steps of 4 envs, episodes of at most 10 steps
         np.testing.assert_allclose(steps.hidden, gru_reference(gru, steps.obs, first, hidden), atol=1e-5)
-        hiddens, dist, values = network.apply(start.params, steps.obs, steps.first, hidden)
+        out = network.apply(start.params, steps.obs, steps.first, hidden)
+        hiddens, dist, values = out.hidden, out.dist, out.value
         np.testing.assert_allclose(hiddens, steps.hidden, atol=1e-6)
         np.testing.assert_allclose(values, steps.value, atol=1e-5)
         np.testing.assert_allclose(dist.log_prob(steps.action), steps.log_prob, atol=1e-5)
@@ -1741,7 +1979,7 @@ def test_recurrent_minibatches_are_whole_env_sequences_from_their_start_state():
     # The first gradient step sees the rollout's own policy: ratio 1, from the state the rollout began in.
     batch = P.make_batch(traj, advantages, advantages, state.hidden, recurrent=True)
     first = jax.tree.map(lambda x: x[0], P.shuffle_sequences_into_minibatches(permutation, batch, 4))
-    _, dist, _ = network.apply(state.params, first.obs, first.first, first.hidden)
+    dist = network.apply(state.params, first.obs, first.first, first.hidden).dist
     np.testing.assert_allclose(jnp.exp(dist.log_prob(first.action) - first.log_prob), 1.0, atol=1e-5)
 
 
@@ -1895,6 +2133,10 @@ def test_default_config_refuses_an_unknown_field_and_act_an_observation_of_anoth
     (["--env-devices", "2", "--recurrent", "gru", "--num-minibatches", "4"], ["--env-devices 2", "env sequences"]),
     (["--env-devices", "-1"], ["--env-devices", ">= 0"]),
     (["--dual-clip", "0.5"], ["--dual-clip", "> 1"]),
+    (["--action-dist", "beta"], ["--action-dist", "discrete", "leave it out"]),
+    (["--state-std"], ["--state-std", "discrete"]),
+    (["--env", "Pendulum-v1", "--action-dist", "beta", "--state-std"], ["--state-std", "Beta", "no std"]),
+    (["--action-dist", "gausian"], ["--action-dist", "tanh_gaussian"]),
     (["--env", "Pendulum-v1", "--log-std-init", "nan"], ["--log-std-init", "finite"]),
     (["--ref-kl-target", "4"], ["--ref-kl-target", "--ref-kl-coef"]),
     (["--ref-kl-coef", "0.1", "--ref-kl-target", "4", "--ref-kl-horizon", "0"], ["--ref-kl-horizon", "> 0"]),
@@ -2338,7 +2580,7 @@ def test_eval_returns_equal_a_python_loop_and_render_writes_the_episode(tmp_path
     out = capsys.readouterr().out
     assert returns.shape == (2, 3) and "±" in out and "rendered seed 1" in out
 
-    argmax = lambda seed, network, saved, obs: int(network.apply(saved.params, obs[None])[1].mode()[0])  # noqa: E731
+    argmax = lambda seed, network, saved, obs: int(network.apply(saved.params, obs[None]).dist.mode()[0])  # noqa: E731
     np.testing.assert_array_equal(returns, replay_eval_episodes(run_dir, 3, 5, argmax))
 
     frames = Image.open(tmp_path / "episode.gif").n_frames
@@ -2980,7 +3222,7 @@ def test_masked_actions_get_probability_zero_no_samples_and_no_gradient():
     params = P.init_policy(jax.random.PRNGKey(1), P.VecEnv("CartPole-v1", 1), network, P.HParams(),
                            jnp.zeros((1, 9))).params
     params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(2), x.shape), params)
-    _, dist, _ = network.apply(params, obs)
+    dist = network.apply(params, obs).dist
     probs = np.asarray(jax.nn.softmax(dist.logits))
     assert np.all(probs[legal == 0] == 0) and np.all(probs[legal == 1] > 0)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-6)
@@ -2993,8 +3235,8 @@ def test_masked_actions_get_probability_zero_no_samples_and_no_gradient():
     actions = jnp.asarray([0, 2, 3, 0] * 16)
 
     def loss(params):
-        _, dist, _ = network.apply(params, never)
-        _, other, _ = network.apply(jax.tree.map(lambda x: 1.1 * x, params), never)
+        dist = network.apply(params, never).dist
+        other = network.apply(jax.tree.map(lambda x: 1.1 * x, params), never).dist
         return jnp.mean(dist.log_prob(actions) + dist.entropy() + dist.kl(other))
 
     value, grads = jax.value_and_grad(loss)(params)
@@ -3119,7 +3361,7 @@ def test_jumanji_multi_agent_actions_are_factorised_under_each_agents_mask():
             state = state.replace(env_state=state.env_state.replace(
                 suite=state.env_state.suite.replace(food_items=food.replace(eaten=eaten))))
             action_key, step_key, reset_key = jax.random.split(key, 3)
-            policy_action = network.apply(params, obs)[1].sample(action_key)  # the network's factorised policy
+            policy_action = network.apply(params, obs).dist.sample(action_key)  # the network's factorised policy
             legal = obs[:, -12:] > 0.5
             action = P.Categorical(P.masked_logits(jnp.zeros(legal.shape), legal), (6, 6)).sample(action_key)
             reset_keys = jax.random.split(reset_key, (1, num_envs))
@@ -3754,7 +3996,7 @@ def test_load_run_acts_as_the_evaluation_does(tmp_path):
 
     def act(seed, network, saved, obs):  # load_run's action, checked against the saved network's argmax
         normalised = np.clip((obs - saved.obs_stats.mean) / np.sqrt(saved.obs_stats.var + 1e-8), -10, 10)
-        logits = network.apply(saved.params, jnp.asarray(normalised, jnp.float32)[None])[1].logits[0]
+        logits = network.apply(saved.params, jnp.asarray(normalised, jnp.float32)[None]).dist.logits[0]
         action = loaded[seed].act(obs)
         assert int(action) == int(np.argmax(logits))
         seen.append((obs, logits))
@@ -3772,7 +4014,7 @@ def test_load_run_acts_as_the_evaluation_does(tmp_path):
             "--run-dir", str(tmp_path / "pendulum")])
     policy = P.load_run(str(tmp_path / "pendulum"))
     obs = np.float32([0.6, 0.8, 7.5])
-    mean = policy.network.apply(policy.policy.params, obs[None])[1].mean[0]
+    mean = policy.network.apply(policy.policy.params, obs[None]).dist.mean[0]
     np.testing.assert_array_equal(policy.act(obs), np.clip(mean, -2.0, 2.0))
     assert policy.act(obs).shape == (1,)
 
@@ -3783,16 +4025,54 @@ def test_load_run_acts_as_the_evaluation_does(tmp_path):
     later = np.float32([0.0, 0.0, 0.0])
     hidden = P.initial_hidden(policy.network, 1)
     for obs, is_first in ((first, True), (later, False)):
-        hidden, dist, _ = P.policy_step(policy.network, policy.policy.params, jnp.asarray(obs)[None],
-                                        jnp.asarray([is_first]), hidden)
+        out = P.policy_step(policy.network, policy.policy.params, jnp.asarray(obs)[None], jnp.asarray([is_first]),
+                            hidden)
+        hidden, dist = out.hidden, out.dist
         assert int(policy.act(obs)) == int(dist.mode()[0])
         np.testing.assert_allclose(policy.hidden, hidden, rtol=1e-5, atol=1e-6)  # the state carried on
     policy.reset()
     policy.act(later)
     fresh = P.policy_step(policy.network, policy.policy.params, jnp.asarray(later)[None], jnp.asarray([True]),
-                          P.initial_hidden(policy.network, 1))[0]
+                          P.initial_hidden(policy.network, 1)).hidden
     np.testing.assert_allclose(policy.hidden, fresh, rtol=1e-5, atol=1e-6)
     assert not np.allclose(fresh, hidden)  # (a new episode's state differs from the carried one)
+
+
+@pytest.mark.parametrize("flags", [["--action-dist", "tanh_gaussian", "--state-std"], ["--action-dist", "beta"]])
+def test_the_bounded_policies_train_evaluate_and_act_inside_the_bounds(tmp_path, flags):
+    """--action-dist tanh_gaussian and beta from the CLI: the run trains (the env never clips: action_clip_frac 0);
+    --eval --deterministic equals a plain-Python episode loop whose action is the mode mapped onto [-2, 2] by hand
+    (tanh: -2 + 4 (tanh(mean) + 1) / 2; Beta: -2 + 4 (alpha - 1) / (alpha + beta - 2)); load_run's act gives it."""
+    run = str(tmp_path / "run")
+    P.main(["--env", "Pendulum-v1", "--total-timesteps", "2048", "--num-steps", "64", "--hidden-sizes", "8", "--quiet",
+            "--table-rows", "0", *flags, "--run-dir", run])
+    assert np.all(read_metrics_csv(tmp_path / "run" / "metrics.csv")["action_clip_frac"] == 0)
+    returns = P.main(["--eval", run, "--episodes", "2", "--deterministic", "--seed", "3"])
+    trained = P.load_run(run)
+    params = trained.policy.params["params"]
+
+    def mode(obs):  # the network by hand: one tanh layer (--hidden-sizes 8), then the policy head
+        x = np.tanh(obs @ params["actor_0"]["kernel"] + params["actor_0"]["bias"])
+        head = x @ params["policy_head"]["kernel"] + params["policy_head"]["bias"]
+        if "beta" in flags:
+            alpha, beta = 1 + np.logaddexp(0, head[:1]), 1 + np.logaddexp(0, head[1:])
+            return -2 + 4 * (alpha - 1) / (alpha + beta - 2)
+        return -2 + 4 * (np.tanh(head) + 1) / 2
+
+    env = P.make_env(dataclasses.replace(trained.config, num_envs=2))
+    _, env_state = env.reset(jax.random.split(jax.random.split(jax.random.PRNGKey(3), 1)[0])[0])
+    step = jax.jit(lambda state, action: env.env.step_env(jax.random.PRNGKey(0), state, action, env.env_params))
+    for episode in range(2):
+        state = jax.tree.map(lambda x: x[episode], env_state.env_state)
+        total = 0.0
+        for t in range(200):
+            obs = np.asarray(env.env.get_obs(state, env.env_params), np.float64)
+            action = mode(obs)
+            if t < 3:
+                np.testing.assert_allclose(trained.act(obs.astype(np.float32)), action, rtol=1e-4, atol=1e-5)
+            _, state, reward, _, _ = step(state, action.astype(np.float32))
+            total += float(reward)
+        assert returns[0, episode] == pytest.approx(total, rel=1e-3), episode
 
 
 def test_eval_sampled_and_continuous(tmp_path, capsys):
@@ -3822,7 +4102,7 @@ def test_eval_sampled_and_continuous(tmp_path, capsys):
     policy = jax.tree.map(lambda x: x[0], P.read_policies(config, env, network, str(tmp_path / "pendulum" /
                                                                                     "params.msgpack"), "test"))
     _, env_state = env.reset(jax.random.split(jax.random.split(jax.random.PRNGKey(3), 1)[0])[0])
-    apply = jax.jit(lambda obs: network.apply(policy.params, obs)[1].mean)
+    apply = jax.jit(lambda obs: network.apply(policy.params, obs).dist.mean)
     step = jax.jit(lambda state, action: env.env.step_env(jax.random.PRNGKey(0), state, action, env.env_params))
     for episode in range(2):
         state = jax.tree.map(lambda x: x[episode], env_state.env_state)
