@@ -2946,8 +2946,9 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
                  "recurrent_size"):
         if getattr(config, name) < 1:
             raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be a positive integer")
-    image = len(env.observation_space(env_params).shape) == 3 or getattr(env, "image_columns", None) is not None
-    if config.torso == "cnn" and not image:
+    # (observation_space only when asked: a Brax env's builds its physics state, op by op)
+    if config.torso == "cnn" and not (getattr(env, "image_columns", None)
+                                      or len(env.observation_space(env_params).shape) == 3):
         raise ConfigError(f"--torso cnn needs image observations (H x W x C) or a grid; {config.env}'s are not: use "
                           "--torso mlp")
     for name, choices in CHOICES.items():  # a spec file or Python may give any string
