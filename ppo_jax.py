@@ -1930,6 +1930,11 @@ def override_env_params(env_params, overrides: Sequence[str]):
     return env_params.replace(**changes)
 
 
+def is_discrete(space) -> bool:
+    """Whether an action space is discrete: a Discrete, or a Tuple of them (a multi-discrete action)."""
+    return isinstance(space, spaces.Discrete) or bool(getattr(space, "spaces", ()))
+
+
 ENV_AXIS = "envs"  # the mesh axis over which run_batch shards an agent's envs (--env-devices)
 
 
@@ -1962,7 +1967,7 @@ class VecEnv:
         action_space = self.env.action_space(self.env_params)
         # A Tuple of Discrete spaces is a multi-discrete action: a factorised Categorical, its logits side by side.
         self.action_nvec = tuple(int(space.n) for space in getattr(action_space, "spaces", ()))
-        self.discrete = isinstance(action_space, spaces.Discrete) or bool(self.action_nvec)
+        self.discrete = is_discrete(action_space)
         if self.discrete:
             self.action_dim = sum(self.action_nvec) if self.action_nvec else int(action_space.n)
         else:
@@ -3003,7 +3008,7 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
 
 def check_action_dist(config: Config, space) -> None:
     """--action-dist and --state-std against the env's action space."""
-    if isinstance(space, spaces.Discrete) or hasattr(space, "spaces"):
+    if is_discrete(space):
         for name, default in (("action_dist", "gaussian"), ("state_std", False)):
             if getattr(config, name) != default:
                 raise ConfigError(f"{flag(name)}: {config.env}'s actions are discrete (a categorical policy): leave it "
