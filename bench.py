@@ -6,6 +6,7 @@
     python bench.py --gpu      # on an accelerator: 1 to 2048 CartPole agents x 5e5 steps, brax:ant x 5e7
     python bench.py --no-plain # without the plain-PPO yardstick (below)
     python bench.py --sweep-outputs 100 10 1000   # a sweep's files at scale: 100 points x 10 seeds x 1000 updates
+    python bench.py --envpool  # EnvPool's envs: its own Python loop, the program's host round trip, PPO (pip install -r requirements-envpool.txt)
 
 Prints a table and writes bench.json (the figures, the machine, the versions). Each config runs in
 its own fresh process, so its compile is cold and its peak RSS its own. For each config:
@@ -395,6 +396,63 @@ def sweep_outputs(points: int, seeds: int, updates: int, chunks: int = 20) -> di
     return result
 
 
+ENVPOOL = {"hopper_1env": ("envpool:Hopper-v4", 1, 4096), "hopper_8envs": ("envpool:Hopper-v4", 8, 1024),
+           "breakout_8envs": ("envpool:Breakout-v5", 8, 256)}  # name -> (env, envs, steps per measurement)
+
+
+def envpool_figures(repeats: int) -> dict:
+    """For each ENVPOOL env, in this process: env steps/s of EnvPool's own Python loop (pool.step, random
+    actions), of the adapter stepped in a jitted lax.scan (random actions: each step a host round trip),
+    the round trip's cost per step (their difference), and the PPO run at the env's defaults (steps/s;
+    the share of its time that the env steps would take alone). Atari's run is 2 updates: its Nature CNN
+    is most of its time on a CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    import ppo_jax
+
+    rows = {}
+    for name, (env_id, num_envs, steps) in ENVPOOL.items():
+        env = ppo_jax.vec_env(env_id, num_envs)
+        numbers, _ = env.open_pool(np.arange(num_envs, dtype=np.int32))
+        pool = ppo_jax.ENVPOOL_POOLS[int(numbers[0])]
+        rng = np.random.default_rng(0)
+        if env.discrete:
+            actions = rng.integers(0, env.action_dim, (steps, num_envs)).astype(np.int32)
+        else:
+            actions = rng.uniform(-1, 1, (steps, num_envs, env.action_dim)).astype(env.pool_action_dtype)
+
+        def python_loop():
+            for action in actions:
+                pool.step(action)
+
+        def in_program(key):
+            _, state = env.reset(key)
+
+            def step(state, action):
+                _, state, reward, *_ = env.step(None, state, action, None)
+                return state, reward.sum()
+
+            return jax.lax.scan(step, state, jnp.asarray(actions, jnp.int32 if env.discrete else jnp.float32))[1]
+
+        program = jax.jit(in_program)
+        python_s = timed(python_loop, repeats=repeats)
+        program_s = timed(lambda: jax.block_until_ready(program(jax.random.PRNGKey(0))), repeats=repeats)
+        config = ppo_jax.default_config(env_id, num_envs=num_envs)
+        updates = 2 if "Breakout" in env_id else 8
+        config = dataclasses.replace(config, total_timesteps=updates * config.batch_size, checkpoint_every=updates)
+        result = ppo_jax.run_batch(config, ppo_jax.seed_keys(config), ppo_jax.stack_hparams([config.hparams]),
+                                   timed_runs=1)
+        ppo_per_s = result.env_steps / result.run_seconds
+        env_per_s = steps * num_envs / program_s
+        rows[name] = {"env": env_id, "num_envs": num_envs, "python_loop_steps_per_s": round(steps * num_envs / python_s),
+                      "in_program_steps_per_s": round(env_per_s),
+                      "round_trip_us_per_step": round((program_s - python_s) / steps * 1e6, 1),
+                      "ppo_steps_per_s": round(ppo_per_s), "env_share_of_ppo": round(ppo_per_s / env_per_s, 3)}
+        print(f"  {name}: {rows[name]}", flush=True)
+    return rows
+
+
 def print_table(rows):
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in COLUMNS]
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
@@ -429,11 +487,18 @@ def main():
     parser.add_argument("--no-plain", action="store_true", help="skip the plain-PPO yardstick (saves ~1/3 of the time)")
     parser.add_argument("--sweep-outputs", nargs=3, type=int, metavar=("POINTS", "SEEDS", "UPDATES"),
                         help="measure a sweep's files at this scale (a synthetic batch) and exit")
+    parser.add_argument("--envpool", action="store_true", help="EnvPool's envs: its own loop, the host round trip, PPO")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sweep_outputs:
         print(json.dumps(sweep_outputs(*args.sweep_outputs), indent=2))
+        return
+    if args.envpool:
+        results = {"machine": machine(), "envpool": envpool_figures(args.repeats)}
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.out}")
         return
     if args.one:
         print(json.dumps(one_config(args.one, args.quick, args.repeats, args.cache_dir, not args.no_plain)))

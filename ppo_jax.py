@@ -1,6 +1,6 @@
 """ppo_jax: Proximal Policy Optimization as one XLA program.
 
-PPO (Schulman et al., 2017, arXiv:1707.06347) on gymnax, Brax and XLand-MiniGrid environments: the clipped
+PPO (Schulman et al., 2017, arXiv:1707.06347) on gymnax, Brax, EnvPool's MuJoCo and Atari, and more: the clipped
 surrogate, PPO-Penalty (adaptive KL) and a KL leash to a frozen reference policy, every
 implementation detail a switch. Env stepping, GAE and the epochs of minibatch updates run in one
 jax.jit; seeds and whole hyperparameter grids are vmapped inside that one program.
@@ -27,8 +27,8 @@ Where to hack (the five rules a change must keep are in HParams' docstring):
     optimizer, lr schedule   make_optimizer (optax; groups: actor_critic_labels), learning_rate, build_optimizer
     a hyperparameter         a field of HParams (traced: a flag and a sweep axis, swept without recompiling)
     carried across updates   a field of TrainState, its initial value in init_train_state (old checkpoints too)
-    environments             VecEnv; adapters: BraxEnv, PlaygroundEnv, XMiniGridEnv, JumanjiEnv, CraftaxEnv;
-                             ToyRLHF (RLHF in miniature; its ground truth: section 8)
+    environments             VecEnv; adapters: BraxEnv, PlaygroundEnv, XMiniGridEnv, JumanjiEnv, CraftaxEnv,
+                             EnvPoolEnv (host-stepped); ToyRLHF (RLHF in miniature; its ground truth: section 8)
     metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
 
 Sections: 1 HParams, Config; 2 the PPO (network, rollout, advantages, loss, update, make_train); 3 envs;
@@ -258,6 +258,9 @@ class HParams:
     """Adam learning rate (the starting value when --anneal-lr is on)."""
     anneal_lr: bool = True
     """Linearly anneal the learning rate from --lr towards 0 over the run (one step per update)."""
+    anneal_clip: bool = False
+    """Linearly anneal --clip-eps towards 0 over the run, as the learning rate (the PPO paper's Atari
+    runs, Table 5: epsilon = 0.1 alpha, alpha falling from 1 to 0)."""
     max_grad_norm: float = 0.5
     """Clip the global gradient norm to this value (inf: no clipping)."""
     adam_eps: float = 1e-5
@@ -286,12 +289,14 @@ class Config:
     """gymnax environment id (e.g. CartPole-v1, Pendulum-v1, Acrobot-v1, MountainCarContinuous-v0,
     Breakout-MinAtar, MemoryChain-bsuite), brax:NAME (brax:ant, brax:hopper, brax:inverted_pendulum,
     ...), playground:NAME (MuJoCo Playground: playground:CartpoleBalance, ...), xminigrid:NAME,
-    jumanji:NAME, craftax:NAME (each suite needs its requirements-*.txt; the prefix alone lists its
-    envs), or ToyRLHF-v0 (RLHF in miniature: --env-params mode=fluency|gold|proxy vocab length seed
+    jumanji:NAME, craftax:NAME, envpool:NAME (the real MuJoCo and the ALE: envpool:Hopper-v4,
+    envpool:Breakout-v5, ...; one device, one process) (each suite needs its requirements-*.txt; the
+    prefix alone lists its envs), or ToyRLHF-v0 (RLHF in miniature: --env-params mode=fluency|gold|proxy vocab length seed
     n_labels). The defaults shown by --help are that env's defaults."""
     env_params: tuple[str, ...] = ()
     """Override the env's gymnax EnvParams, e.g. --env-params gravity=12.0 max_steps_in_episode=200
-    (Brax: max_steps_in_episode, default 1000, and backend=generalized|positional|spring|mjx)."""
+    (Brax: max_steps_in_episode, default 1000, and backend=generalized|positional|spring|mjx; EnvPool:
+    any field of its config, e.g. episodic_life=false reward_clip=false noop_max=0)."""
     total_timesteps: int = 500_000
     """Environment steps per seed (rounded down to a whole number of updates)."""
     num_envs: int = 4
@@ -326,12 +331,14 @@ class Config:
     """Hidden-layer activation."""
     shared_trunk: bool = False
     """One MLP trunk feeding both the policy and the value head (default: separate actor and critic)."""
-    torso: Literal["auto", "mlp", "cnn"] = "auto"
+    torso: Literal["auto", "mlp", "cnn", "nature"] = "auto"
     """The network's first layers. cnn: a 3x3 convolution, 16 filters, ReLU, over image observations
     (H x W x C, e.g. MinAtar's 10 x 10 x C) or a Jumanji grid (its other fields beside the conv's
     features), flattened and shared by actor and critic (the PPO paper's Atari setup), then the
-    --hidden-sizes layers; mlp: only the --hidden-sizes layers, on the flattened observation; auto:
-    cnn for image observations and Snake's grid, mlp otherwise."""
+    --hidden-sizes layers; nature: the Nature DQN's three convolutions (Mnih et al. 2015: 32 8x8 /4,
+    64 4x4 /2, 64 3x3 /1, ReLU), as the PPO paper's Atari network, for images of 36 x 36 and more;
+    mlp: only the --hidden-sizes layers, on the flattened observation; auto: nature for EnvPool's
+    Atari, cnn for other image observations and Snake's grid, mlp otherwise."""
     recurrent: Literal["none", "gru"] = "none"
     """A memory. gru: a GRU of --recurrent-size units between the torso and the --hidden-sizes
     layers, shared by actor and critic, its state reset to zero where an episode begins. The rollout
@@ -626,6 +633,29 @@ JUMANJI: dict[str, Any] = dict(
 )
 
 
+# The real MuJoCo (EnvPool) gets Brax's setting, the PPO paper's Table 3, with its one actor (an env x 2048
+# steps, not 8 x 256) and CleanRL's reward clip at 10 (ppo_continuous_action.py, whose published figures
+# docs/results.md compares with).
+ENVPOOL_MUJOCO: dict[str, Any] = dict(BRAX, num_envs=1, num_steps=2048, hparams=dict(BRAX["hparams"], clip_reward=10.0))
+
+
+# The PPO paper's Atari setting (Table 5: 8 actors x 128 steps, 3 epochs of minibatches of 32 x 8, Adam
+# 2.5e-4 x alpha, epsilon 0.1 x alpha, c1 1, c2 0.01, gamma 0.99, lambda 0.95; 40M frames = 1e7 steps)
+# on the Nature network, its trunk shared by policy and value (--torso nature, one 512 layer).
+ENVPOOL_ATARI: dict[str, Any] = dict(
+    total_timesteps=10_000_000,
+    num_envs=8,
+    num_steps=128,
+    update_epochs=3,
+    num_minibatches=4,
+    hidden_sizes=(512,),
+    activation="relu",
+    shared_trunk=True,
+    hparams=dict(lr=2.5e-4, clip_eps=0.1, anneal_clip=True, vf_coef=1.0, ent_coef=0.01, gamma=0.99,
+                 gae_lambda=0.95),
+)
+
+
 ENV_DEFAULTS: dict[str, dict[str, Any]] = {
     "ToyRLHF-v0": TOY_RLHF_DEFAULTS,
     "CartPole-v1": CLASSIC_DISCRETE,
@@ -653,6 +683,8 @@ def default_config(env_id: str, **fields) -> Config:
         overrides = PLAYGROUND
     elif env_id.startswith(CRAFTAX_PREFIX):
         overrides = CRAFTAX
+    elif env_id.startswith(ENVPOOL_PREFIX):
+        overrides = envpool_defaults(env_id[len(ENVPOOL_PREFIX):])
     elif env_id.endswith("-MinAtar"):
         overrides = MINATAR
     else:
@@ -935,6 +967,7 @@ class ActorCritic(nn.Module):
     orthogonal_init: bool = True
     image_shape: tuple[int, ...] | None = None  # (H, W, C): a conv torso over these observation columns
     image_start: int = 0  # the image's first column of the flat observation (the others pass beside the conv)
+    image_torso: str = "conv"  # conv: one 3x3 convolution; nature: the Nature DQN's three (--torso)
     recurrent_size: int = 0  # > 0: a recurrent cell of this many units after the torso
     recurrent_cell: str = "gru"  # which (RECURRENT_CELLS)
     critic: bool = True  # False: no critic trunk or value head (the values are zeros)
@@ -975,10 +1008,16 @@ class ActorCritic(nn.Module):
             # CPU, XLA's convolution gradient is slower than this one matmul (the patches are of the
             # observation, so they need no gradient).
             image = obs[..., start:end].reshape(-1, *self.image_shape)
-            patches = jax.lax.conv_general_dilated_patches(image, (3, 3), (1, 1), "SAME",
-                                                           dimension_numbers=("NHWC", "OIHW", "NHWC"))
-            features = nn.relu(layer(16, math.sqrt(2.0), "conv")(patches))  # [B, H, W, 16]
-            features = features.reshape(*obs.shape[:-1], -1)  # [..., H * W * 16]
+            if self.image_torso == "nature":  # Mnih et al. 2015: 84 x 84 -> 20 x 20 x 32 -> 9 x 9 x 64 -> 7 x 7 x 64
+                for i, (width, size, stride) in enumerate(((32, 8, 4), (64, 4, 2), (64, 3, 1))):
+                    image = nn.relu(nn.Conv(width, (size, size), (stride, stride), "VALID",
+                                            kernel_init=init(math.sqrt(2.0)), name=f"conv_{i}")(image))
+                features = image
+            else:
+                patches = jax.lax.conv_general_dilated_patches(image, (3, 3), (1, 1), "SAME",
+                                                               dimension_numbers=("NHWC", "OIHW", "NHWC"))
+                features = nn.relu(layer(16, math.sqrt(2.0), "conv")(patches))  # [B, H, W, 16]
+            features = features.reshape(*obs.shape[:-1], -1)  # [..., H * W * 16]; nature: [..., 3136]
             beside = [obs[..., :start], obs[..., end:]]  # a grid's other fields, flat (a pure image: none)
             obs = jnp.concatenate([features, *beside], axis=-1) if start or end < obs.shape[-1] else features
         if self.is_recurrent:
@@ -1165,9 +1204,10 @@ class Transition:
     final_obs: jax.Array  # the true next observation (before any automatic reset), as the network sees it
     discounted_return: jax.Array  # per env, of raw rewards since the episode began (for --scale-reward)
     ref_kl: jax.Array  # exact KL[pi || pi_ref] at this state (0 with the leash off)
-    episode_return: jax.Array  # raw return of the episode that ended here (where done)
+    episode_return: jax.Array  # raw return of the episode that ended here (where episode_end)
     episode_length: jax.Array
-    episode_metrics: dict[str, jax.Array]  # the env's own end-of-episode figures (VecEnv.episode_metrics), where done
+    episode_metrics: dict[str, jax.Array]  # the env's own end-of-episode figures (VecEnv.episode_metrics), where episode_end
+    episode_end: jax.Array  # the episode reported ended here: done, but Atari's is the game, not a life (EnvPoolEnv)
     ref_log_prob: jax.Array | None = None  # --ref-kl-in loss: log pi_ref(a|s) of the sampled action
     ref_dist: Any = None  # --ref-kl-in loss with --ref-kl-estimator full: pi_ref(.|s)
 
@@ -1240,6 +1280,7 @@ def step_envs(state: TrainState, env: VecEnv, network: ActorCritic, num_steps: i
             episode_return=info["episode_return"],
             episode_length=info["episode_length"],
             episode_metrics=info["episode_metrics"],
+            episode_end=info["episode_end"],
         )
         return (env_state, next_obs, hidden, jnp.where(done, 0.0, running_return)), transition
 
@@ -1511,6 +1552,8 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     setup = Setup.of(config, env, network)
     parts, start_hidden = setup.parts, state.hidden
     hparams = hparams.replace(ref_kl_coef=state.ref_kl_coef)  # the leash's beta of this update
+    alpha = 1.0 - state.update / config.num_updates  # (a product, not optax's schedule: clip_eps may be inf)
+    hparams = hparams.replace(clip_eps=jnp.where(hparams.anneal_clip, hparams.clip_eps * alpha, hparams.clip_eps))
     state, traj = collect_rollout(state, env, network, config.num_steps, hparams, setup.leash)
     advantages, targets = estimate_advantages(state.params, traj, config, env, network, hparams)
     recurrent = config.is_recurrent
@@ -1532,7 +1575,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     kl = parts.mean(new_kl, own)
     kl_coef = jnp.where(hparams.kl_target > 0, adaptive_kl_coef(state.kl_coef, kl, hparams.kl_target), state.kl_coef)
 
-    ended = traj.done.astype(jnp.float32)
+    ended = traj.episode_end.astype(jnp.float32)
     sums = parts.device_sum({"episodes": jnp.sum(ended), "return": jnp.sum(ended * traj.episode_return),
                              "length": jnp.sum(ended * traj.episode_length), "ref_kl": jnp.mean(traj.ref_kl),
                              "ref_kl_sum": jnp.sum(traj.ref_kl),
@@ -1718,12 +1761,12 @@ def actor_critic_labels(params):
 
 
 def make_env(config: Config) -> VecEnv:
-    return VecEnv(config.env, config.num_envs, config.env_params)
+    return vec_env(config.env, config.num_envs, config.env_params)
 
 
 def make_network(config: Config, env: VecEnv) -> ActorCritic:
-    cnn = config.torso == "cnn" or (config.torso == "auto" and env.image_by_default)
-    image_start, image_shape = env.image if cnn else (0, None)
+    torso = env.default_torso if config.torso == "auto" else config.torso
+    image_start, image_shape = env.image if torso in ("cnn", "nature") else (0, None)
     bounds = {} if env.discrete else dict(action_low=tuple(env.action_low.ravel().tolist()),
                                           action_high=tuple(env.action_high.ravel().tolist()))
     return ActorCritic(env.action_dim, env.discrete, tuple(config.hidden_sizes), config.activation,
@@ -1731,7 +1774,8 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
                        recurrent_size=config.recurrent_size if config.is_recurrent else 0,
                        recurrent_cell=config.recurrent, critic=config.has_critic,
                        action_mask=env.action_mask_size > 0, action_nvec=env.action_nvec,
-                       action_dist=config.action_dist, state_std=config.state_std, **bounds)
+                       action_dist=config.action_dist, state_std=config.state_std,
+                       image_torso="nature" if torso == "nature" else "conv", **bounds)
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
@@ -1807,7 +1851,7 @@ def make_train_parts(config: Config, shards: int = 1):
     shard_map): its state holds that device's envs; init's holds all of them."""
     env = make_env(config)
     network = make_network(config, env)
-    own_envs = env if shards == 1 else VecEnv(config.env, config.num_envs // shards, config.env_params, shards)
+    own_envs = env if shards == 1 else vec_env(config.env, config.num_envs // shards, config.env_params, shards)
     initial = load_policy(config, env, network, config.init_params, "--init-params")
     reference = load_policy(config, env, network, config.ref_params, "--ref-params")
 
@@ -1980,7 +2024,8 @@ class VecEnv:
         # (first column, (H, W, C)) of an image in the flat observation, for the conv torso: an image
         # observation, or the grid field an adapter knows of (Jumanji's); None: no image.
         self.image = (0, self.obs_shape) if len(self.obs_shape) == 3 else getattr(self.env, "image_columns", None)
-        self.image_by_default = len(self.obs_shape) == 3 or getattr(self.env, "image_by_default", False)  # --torso auto
+        self.image_by_default = len(self.obs_shape) == 3 or getattr(self.env, "image_by_default", False)
+        self.default_torso = "cnn" if self.image_by_default else "mlp"  # --torso auto
         self.own_step = type(self.env).step is not GymnaxEnvironment.step
         self.episode_metrics = getattr(self.env, "episode_metrics", ())  # info entries reported where episodes end
         self.action_mask_size = getattr(self.env, "action_mask_size", 0)  # the obs's last columns: 1 = a legal action
@@ -2072,6 +2117,7 @@ class VecEnv:
             "episode_return": episode_return,  # meaningful where done
             "episode_length": episode_length,
             "episode_metrics": {name: env_info[name].astype(jnp.float32) for name in self.episode_metrics},
+            "episode_end": done,  # the episode reported (its return and length) ended here
         }
         state = EnvState(
             env_state,
@@ -2553,6 +2599,262 @@ def craftax_names() -> list[str]:
     return list(CRAFTAX_NAMES)
 
 
+# EnvPool (Weng et al. 2022, arXiv:2206.10558): the PPO paper's own simulators, MuJoCo and the ALE, as
+# C++ pools of envs, stepped from inside the program by a host callback (EnvPoolEnv). envpool is
+# imported only here, only when asked for.
+ENVPOOL_PREFIX = "envpool:"
+
+
+ENVPOOL_INSTALL = "pip install -r requirements-envpool.txt"
+
+
+# The families whose envs ppo_jax runs (a Box observation; a Discrete or Box action).
+ENVPOOL_FAMILIES = ("envpool.mujoco.gym", "envpool.atari", "envpool.classic_control", "envpool.box2d")
+
+
+# Atari as the PPO paper trained on it (Mnih et al. 2015's preprocessing; EnvPool's defaults give the
+# rest: 84 x 84 grayscale, frame skip 4 with max-pooling, 4 stacked frames, up to 30 no-op starts):
+# a life lost ends an episode of the PPO's (no bootstrap), and rewards are clipped to their sign. The
+# episode a run reports is the whole game and its unclipped score (EnvPoolEnv).
+ENVPOOL_ATARI_TRAINING = {"episodic_life": True, "reward_clip": True}
+
+
+# envpool.make's arguments that the adapter sets itself (not --env-params).
+ENVPOOL_RESERVED = ("num_envs", "batch_size", "num_threads", "seed", "env_seed", "max_num_players",
+                    "thread_affinity_offset", "base_path", "gym_reset_return_info")
+
+
+@struct.dataclass
+class EnvPoolParams(GymnaxEnvParams):
+    max_steps_in_episode: int = 1000  # EnvPool's max_episode_steps (its time limit: truncation)
+    options: tuple = struct.field(pytree_node=False, default=())  # envpool.make's keyword arguments, as pairs
+
+
+class EnvPoolSuite(GymnaxEnvironment):
+    """An EnvPool task seen through gymnax's interface for what is asked of it before anything runs (its
+    spaces, its time limit, --env-params). It has no functional step: the pool's envs live in C++, and
+    EnvPoolEnv steps them."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        from envpool.registration import registry  # the optional dependency
+
+        self.envpool_name = name
+        self.family = registry.specs[name][0]
+        self.atari = self.family == "envpool.atari"
+
+    @functools.cache
+    def spec(self, options: tuple):
+        import envpool
+
+        with warnings.catch_warnings():  # gymnasium's notes on float64 bounds cast to float32, at each space made
+            warnings.simplefilter("ignore", UserWarning)
+            spec = envpool.make_spec(self.envpool_name, **dict(options))
+            return types.SimpleNamespace(config=spec.config, observation_space=spec.observation_space,
+                                         action_space=spec.action_space)
+
+    def params(self, overrides: Sequence[str]) -> EnvPoolParams:
+        """The task's EnvPoolParams: its family's training options (Atari's), then --env-params name=value,
+        each a field of the task's EnvPool config (max_steps_in_episode: its max_episode_steps)."""
+        options = dict(ENVPOOL_ATARI_TRAINING if self.atari else {})
+        config = self.spec(()).config._asdict()
+        for item in overrides:
+            name, _, text = item.partition("=")
+            name = "max_episode_steps" if name == "max_steps_in_episode" else name
+            known = sorted(set(config) - set(ENVPOOL_RESERVED))
+            if name not in known or not text:
+                raise ConfigError(f"--env-params {item!r}: give name=value with a name from {known}")
+            kind = type(config[name])
+            try:
+                options[name] = parse_bool(text, f"--env-params {item!r}") if kind is bool else kind(text)
+            except (ValueError, TypeError):
+                raise ConfigError(f"--env-params {item!r}: {name} needs a {kind.__name__} value") from None
+        limit = int(self.spec(tuple(sorted(options.items()))).config.max_episode_steps)
+        if limit < 1:
+            raise ConfigError("--env-params max_steps_in_episode: the time limit must be a positive number of steps")
+        return EnvPoolParams(max_steps_in_episode=limit, options=tuple(sorted(options.items())))
+
+    @property
+    def default_params(self) -> EnvPoolParams:
+        return self.params(())
+
+    @property
+    def name(self) -> str:
+        return ENVPOOL_PREFIX + self.envpool_name
+
+    def action_space(self, params: EnvPoolParams | None = None):
+        space = self.spec((params or self.default_params).options).action_space
+        if hasattr(space, "n"):
+            return spaces.Discrete(int(space.n))
+        return spaces.Box(np.asarray(space.low, np.float32), np.asarray(space.high, np.float32), tuple(space.shape),
+                          jnp.float32)
+
+    def observation_space(self, params: EnvPoolParams):
+        space = self.spec(params.options).observation_space
+        return spaces.Box(np.asarray(space.low, np.float32), np.asarray(space.high, np.float32), tuple(space.shape),
+                          jnp.float32)
+
+
+def envpool_names() -> list[str]:
+    """EnvPool's ids in the families ppo_jax runs, without the duplicate spellings (phys2d/...)."""
+    from envpool.registration import registry
+
+    return sorted(name for name, (family, *_) in registry.specs.items() if family in ENVPOOL_FAMILIES and "/" not in name)
+
+
+# The pools of this process, by number: a pool's envs live in C++, and the program holds only its number.
+ENVPOOL_POOLS: dict[int, Any] = {}
+
+
+def on_host_over_agents(function, outputs):
+    """function(*arrays) -> arrays, every argument and output with a leading axis of envs, as a host
+    callback whose one call serves every agent of a batch: under vmap (at any depth) the agents' axis is
+    folded into the envs', so all their envs step in one pool, each agent its own slice of it in agent
+    order. outputs(M) gives the results' ShapeDtypeStructs for M envs. To JAX it is a pure callback (an
+    IO effect may not sit in the vmapped lax.cond that skips a last chunk's spare updates): what keeps
+    the calls in order, each once, is that each takes a result of the one before (the pool's numbers,
+    handed back by every call, so that no call's inputs are the same twice and XLA cannot hoist it out
+    of a loop or merge two) and every result is used."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return jax.pure_callback(function, outputs(args[0].shape[0]), *args)
+
+    @call.def_vmap
+    def over_agents(axis_size, in_batched, *args):
+        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, batched in zip(args, in_batched)]
+        out = call(*[x.reshape(-1, *x.shape[2:]) for x in args])  # [agents x envs, ...]
+        out = jax.tree.map(lambda x: x.reshape(axis_size, -1, *x.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call
+
+
+class EnvPoolEnv(VecEnv):
+    """An EnvPool env (`envpool:NAME`): MuJoCo's and Atari's real simulators inside the one program. Its
+    envs step in a C++ pool (EnvPool's own threads), reached by a host callback at each step; a batch's
+    agents share one pool, each its own slice of envs, seeded from its key (so an agent's envs are the
+    same whatever else is in the pool). The state the program carries is the pool's number, per env.
+
+    EnvPool resets an env on the step after its episode ended, ignoring that step's action. Here that
+    step is taken at once, inside the same callback, for the envs whose episode ended alone: so the
+    PPO sees what every other VecEnv gives, the first observation of the next episode as `obs` and the
+    final one as info's final_observation, and the reset step is no transition of the policy's.
+
+    Atari (ENVPOOL_ATARI_TRAINING): the PPO's episodes end with a life (terminated) and its rewards are
+    clipped; the episode reported (episode_return, episode_length, evaluation) is the whole game with
+    its unclipped score, ending at game over or the time limit (info's episode_end), as CleanRL reports
+    it. Observations are the stacked frames as H x W x C images scaled to [0, 1].
+
+    Limits: one device (the pool is this host's; run_batch puts the batch on one device), one process,
+    and a checkpoint cannot hold the pool: a resumed run restarts its episodes (restart_envs)."""
+
+    def __init__(self, env_id: str, num_envs: int, env_params: Sequence[str] = (), shards: int = 1):
+        if shards != 1:
+            raise ValueError("an EnvPool env runs on one device (its pool is this host's)")
+        super().__init__(env_id, num_envs, env_params, shards)
+        self.own_step = True
+        self.atari = self.env.atari
+        spec = self.env.spec(self.env_params.options)
+        self.obs_dtype = np.uint8 if spec.observation_space.dtype == np.uint8 else np.float32  # frames stay bytes
+        self.pool_action_dtype = np.int32 if self.discrete else spec.action_space.dtype  # MuJoCo's: float64
+        if self.atari:  # [C, H, W] stacked frames -> an H x W x C image for the conv torso
+            channels, height, width = self.obs_shape
+            self.image, self.image_by_default, self.default_torso = (0, (height, width, channels)), True, "nature"
+        self.host_reset = on_host_over_agents(self.open_pool, lambda m: (
+            jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m, *self.obs_shape), self.obs_dtype)))
+        self.host_step = on_host_over_agents(self.step_pools, lambda m: (
+            jax.ShapeDtypeStruct((m,), jnp.int32), *[jax.ShapeDtypeStruct((m, *self.obs_shape), self.obs_dtype)] * 2,
+            *[jax.ShapeDtypeStruct((m,), jnp.float32)] * 2, *[jax.ShapeDtypeStruct((m,), jnp.bool_)] * 3))
+
+    def _flat(self, obs):
+        if self.atari:  # [..., C, H, W] bytes -> [..., H * W * C] in [0, 1]
+            obs = jnp.moveaxis(jnp.asarray(obs), -3, -1).astype(jnp.float32) / 255.0
+            return obs.reshape(*obs.shape[:-3], self.obs_dim)
+        return super()._flat(obs)
+
+    def open_pool(self, seeds):
+        """Host: a new pool of len(seeds) envs, env i seeded with seeds[i] -> (its number per env, the
+        first observations)."""
+        import envpool
+
+        with warnings.catch_warnings():  # (as in EnvPoolSuite.spec; the pool makes its spaces once, here)
+            warnings.simplefilter("ignore", UserWarning)
+            pool = envpool.make(self.env.envpool_name, env_type="gymnasium", num_envs=len(seeds),
+                                env_seed=[int(s) for s in seeds], **dict(self.env_params.options))
+            obs, _ = pool.reset()
+            pool.action_space  # noqa: B018
+        number = len(ENVPOOL_POOLS) + 1
+        ENVPOOL_POOLS[number] = pool
+        return np.full(len(seeds), number, np.int32), np.asarray(obs, self.obs_dtype)
+
+    def step_pools(self, numbers, actions):
+        """Host: one step of every env of the pools in `numbers` (per env; whole pools, in order) ->
+        (the numbers, next observations, final observations, rewards, scores (unclipped), terminated,
+        truncated, episode_end)."""
+        results, start = [], 0
+        while start < len(numbers):
+            pool = ENVPOOL_POOLS.get(int(numbers[start]))
+            if pool is None:
+                raise RuntimeError(f"EnvPool pool {int(numbers[start])} is not in this process (a checkpoint's "
+                                   "envs must be restarted: restart_envs)")
+            rows = slice(start, start + pool.config["num_envs"])
+            obs, reward, terminated, truncated, info = pool.step(np.asarray(actions[rows], self.pool_action_dtype))
+            final_obs, next_obs, done = obs, obs, terminated | truncated
+            if done.any():  # EnvPool's reset step, taken now for the ended envs alone: its action is ignored
+                ended = np.flatnonzero(done).astype(np.int32)
+                next_obs = obs.copy()
+                next_obs[ended] = pool.step(np.zeros((len(ended), *actions.shape[1:]), self.pool_action_dtype),
+                                            ended)[0]
+            score = info["reward"] if self.atari else reward  # Atari: the unclipped reward
+            episode_end = (info["terminated"].astype(bool) | truncated) if self.atari else done  # Atari: game over
+            results.append((next_obs, final_obs, reward, score, terminated, truncated, episode_end))
+            start = rows.stop
+        next_obs, final_obs, reward, score, terminated, truncated, episode_end = map(np.concatenate, zip(*results))
+        return (np.array(numbers, np.int32), next_obs.astype(self.obs_dtype), final_obs.astype(self.obs_dtype),
+                reward.astype(np.float32), score.astype(np.float32), terminated.astype(bool), truncated.astype(bool),
+                episode_end.astype(bool))
+
+    def reset(self, key) -> tuple[jax.Array, EnvState]:
+        seeds = jax.random.randint(key, (self.num_envs,), 0, np.iinfo(np.int32).max, jnp.int32)
+        numbers, obs = self.host_reset(seeds)
+        zeros = jnp.zeros(self.num_envs, jnp.float32)
+        return self._flat(obs), EnvState(numbers, zeros, jnp.zeros(self.num_envs, jnp.int32))
+
+    def resets(self, keys):  # the pool resets its envs itself
+        return None
+
+    def step(self, keys, state: EnvState, action, resets):
+        if not self.discrete:
+            action = jnp.clip(action.reshape(self.num_envs, *self.action_shape), self.action_low, self.action_high)
+        numbers, obs, final_obs, reward, score, terminated, truncated, episode_end = self.host_step(state.env_state,
+                                                                                                   action)
+        episode_return = state.episode_return + score
+        episode_length = state.episode_length + 1
+        info = {"final_observation": self._flat(final_obs), "episode_return": episode_return,
+                "episode_length": episode_length, "episode_metrics": {}, "episode_end": episode_end}
+        state = EnvState(numbers, jnp.where(episode_end, 0.0, episode_return),
+                         jnp.where(episode_end, 0, episode_length))
+        return self._flat(obs), state, reward, terminated, truncated, info
+
+
+def envpool_defaults(name: str) -> dict[str, Any] | None:
+    """--env envpool:NAME's defaults: the PPO paper's Atari or MuJoCo setting, for classic control the
+    gymnax env's of that name (None: Config's; an unknown name is validate's to report)."""
+    try:
+        from envpool.registration import registry
+
+        family = registry.specs[name][0]
+    except (ImportError, KeyError):
+        return None
+    return {"envpool.atari": ENVPOOL_ATARI, "envpool.mujoco.gym": ENVPOOL_MUJOCO}.get(family, ENV_DEFAULTS.get(name))
+
+
+def vec_env(env_id: str, num_envs: int, env_params: Sequence[str] = (), shards: int = 1) -> VecEnv:
+    """The VecEnv of an env id: EnvPool's host-stepped adapter for envpool:NAME, VecEnv for every other."""
+    return (EnvPoolEnv if env_id.startswith(ENVPOOL_PREFIX) else VecEnv)(env_id, num_envs, env_params, shards)
+
+
 # RLHF in miniature (README, "RLHF in miniature"): a response of `length` tokens from a vocabulary
 # of `vocab`, one token per step. A fixed random bigram "language" B, a gold preference and a proxy
 # reward model fitted to preferences labelled by the gold one; the reward is one of the three
@@ -2764,6 +3066,9 @@ def make_gymnax(env_id: str, overrides: Sequence[str] = ()):
         impl = playground_impl(overrides)
         env = PlaygroundEnv(env_id[len(PLAYGROUND_PREFIX):], impl)
         return env, override_env_params(env.default_params.replace(impl=impl), overrides)
+    if env_id.startswith(ENVPOOL_PREFIX):
+        env = EnvPoolSuite(env_id[len(ENVPOOL_PREFIX):])
+        return env, env.params(overrides)
     if env_id == TOY_RLHF:
         return ToyRLHF(), toy_rlhf_params(tuple(overrides))
     env, params = gymnax.make(env_id)
@@ -2852,6 +3157,9 @@ def check_env_id(env_id: str, overrides: Sequence[str] = ()) -> None:
         check_suite_id(env_id, CRAFTAX_PREFIX, craftax_names, "craftax", CRAFTAX_INSTALL)
         if override_env_params(CraftaxParams(max_steps_in_episode=1), overrides).reset_ratio < 1:
             raise ConfigError("--env-params reset_ratio: give a positive number of envs per fresh world (1: a world each)")
+    elif env_id.startswith(ENVPOOL_PREFIX):
+        check_suite_id(env_id, ENVPOOL_PREFIX, envpool_names, "envpool", ENVPOOL_INSTALL)
+        EnvPoolSuite(env_id[len(ENVPOOL_PREFIX):]).params(overrides)
     elif env_id == TOY_RLHF:
         toy_rlhf_params(tuple(overrides))
     elif env_id not in gymnax.registered_envs:
@@ -2952,10 +3260,14 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
         if getattr(config, name) < 1:
             raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be a positive integer")
     # (observation_space only when asked: a Brax env's builds its physics state, op by op)
-    if config.torso == "cnn" and not (getattr(env, "image_columns", None)
-                                      or len(env.observation_space(env_params).shape) == 3):
-        raise ConfigError(f"--torso cnn needs image observations (H x W x C) or a grid; {config.env}'s are not: use "
-                          "--torso mlp")
+    if config.torso in ("cnn", "nature") and not (getattr(env, "image_columns", None)
+                                                  or len(env.observation_space(env_params).shape) == 3):
+        raise ConfigError(f"--torso {config.torso} needs image observations (H x W x C) or a grid; {config.env}'s "
+                          "are not: use --torso mlp")
+    if config.torso == "nature" and min(vec_env(config.env, 1, config.env_params).image[1][:2]) < 36:
+        height, width, _ = vec_env(config.env, 1, config.env_params).image[1]
+        raise ConfigError(f"--torso nature needs images of 36 x 36 or more (its first convolution is 8 x 8, stride 4); "
+                          f"{config.env}'s are {height} x {width}: use --torso cnn")
     for name, choices in CHOICES.items():  # a spec file or Python may give any string
         if getattr(config, name) not in choices:
             raise ConfigError(f"{flag(name)} {getattr(config, name)!r}: use one of {', '.join(choices)}")
@@ -2981,6 +3293,9 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
     if config.slices < 0 or (config.slices and config.minibatch_size % config.slices):
         raise ConfigError(f"--slices {config.slices}: must divide the minibatch of {config.minibatch_size} samples "
                           "(or 0: auto)")
+    if config.env_devices > 1 and config.env.startswith(ENVPOOL_PREFIX):
+        raise ConfigError(f"--env-devices {config.env_devices}: {config.env} runs on one device (its envs step in a "
+                          "pool of this host's, EnvPool): use 0 or 1")
     if config.env_devices > 1 and not shards_fit(config, config.env_devices):
         what = (f"the {config.num_envs // config.num_minibatches} env sequences of a minibatch"
                 if config.is_recurrent else f"the minibatch of {config.minibatch_size} samples")
@@ -3166,6 +3481,8 @@ def batch_devices(config: Config, agents: int) -> tuple[list, int]:
     repeat work); where there are more devices than agents, each agent's envs over up to
     devices // agents of them (--env-devices; auto: while each device keeps SHARD_SAMPLES samples
     of a minibatch). Across hosts every host's devices must take part, one agent or more each."""
+    if config.env.startswith(ENVPOOL_PREFIX):  # its pool is this host's, reached from one device's program
+        return jax.devices()[:1], 1
     if jax.process_count() > 1:
         return jax.devices(), 1
     most = jax.device_count() // agents
@@ -3319,6 +3636,8 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
                                for i in range(num_groups)], None
         else:
             states, metrics = lowered.groups(start.state), start.metrics
+            if config.env.startswith(ENVPOOL_PREFIX):
+                states = restart_envs(config, states)
         first_done = done = 0 if start is None else start.updates_done
         if on_chunk:
             on_chunk(done, None if metrics is None else with_env_steps(metrics, config.batch_size),
@@ -3344,6 +3663,28 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     return RunResult(host_state(states), with_env_steps(metrics, config.batch_size), lowered.lower_seconds,
                      compile_seconds, run_seconds, lowered.num_devices, (done - first_done) * config.batch_size * size,
                      config)
+
+
+def restart_envs(config: Config, states: list) -> list:
+    """A resumed run of an EnvPool env: a checkpoint cannot hold the pool's envs (they live in C++), so
+    each group's agents get a new pool, its envs seeded from each agent's key as it is now (so not the
+    seeds the run began with), and begin new episodes; everything else the checkpoint saved goes on
+    (params, optimizer, statistics, PPO-Penalty's and the leash's betas). Not bit-identical to a run
+    never stopped, as every other env's resume is."""
+    env = make_env(config)
+    network = make_network(config, env)
+
+    def restart(state: TrainState) -> TrainState:
+        obs, env_state = env.reset(jax.random.fold_in(state.key, RESTART_ENVS))
+        hidden = initial_hidden(network, env.num_envs)
+        return state.replace(env_state=env_state, obs=obs, hidden=hidden, ref_hidden=hidden,
+                             discounted_return=jnp.zeros(env.num_envs, jnp.float32))
+
+    program = jax.jit(jax.vmap(restart))
+    return [program(state) for state in states]
+
+
+RESTART_ENVS = 0x5EED  # restart_envs' fold_in constant (new randomness gets a constant of its own)
 
 
 def call_interruptibly(fn, *args):
@@ -3801,7 +4142,7 @@ def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> f
 
 def random_policy_program(config: Config, num_envs: int):
     """random_policy_return's jitted program: key -> the mean return."""
-    env = VecEnv(config.env, num_envs, config.env_params)
+    env = vec_env(config.env, num_envs, config.env_params)
     space = env.env.action_space(env.env_params)
     steps = min(env.episode_limit(default=1000), 10_000) + 1  # one whole episode even at the limit (Freeway: 2500)
 
@@ -3815,7 +4156,7 @@ def random_policy_program(config: Config, num_envs: int):
             action = jax.vmap(space.sample)(action_keys)
             action = action if env.discrete else action.reshape(num_envs, env.action_dim)
         obs, env_state, _, terminated, truncated, info = env.step(step_keys, env_state, action, reset)
-        done = (terminated | truncated).astype(jnp.float32)
+        done = info["episode_end"].astype(jnp.float32)
         return (obs, env_state), (done * info["episode_return"], done)
 
     @functools.partial(jax.jit, compiler_options=xla_options())
@@ -5192,7 +5533,7 @@ def evaluate(config: Config, policies: Policy, episodes: int, deterministic: boo
 
 def evaluation_program(config: Config, episodes: int, deterministic: bool):
     """evaluate's jitted program: (policies, keys, HParams), each [seeds] -> returns [seeds, episodes]."""
-    env = VecEnv(config.env, episodes, config.env_params)
+    env = vec_env(config.env, episodes, config.env_params)
     network = make_network(config, env)
 
     def one_seed(policy: Policy, key, hparams: HParams):
@@ -5206,7 +5547,7 @@ def evaluation_program(config: Config, episodes: int, deterministic: bool):
             resets = jax.tree.map(lambda x: x[0], env.draw_resets(reset_key, 1))
             obs, env_state, _, terminated, truncated, info = env.step(
                 jax.random.split(step_key, episodes), env_state, action, resets)
-            done = terminated | truncated
+            done = info["episode_end"]
             returns = jnp.where(done & ~ended, info["episode_return"], returns)
             return obs, env_state, hidden, key, returns, ended | done, t + 1
 
@@ -5853,6 +6194,9 @@ def check_distributed(config: Config, argv: Sequence[str]) -> None:
         return
     if config.eval:
         raise ConfigError("--eval runs in one process: drop --distributed")
+    if config.env.startswith(ENVPOOL_PREFIX):
+        raise ConfigError(f"--distributed: {config.env} steps in a pool of this host's (EnvPool): run it in one "
+                          "process, without --distributed")
     if DISTRIBUTED_FAILURE and str(DISTRIBUTED_FAILURE[0]).startswith("--coordinator-address"):
         raise ConfigError(str(DISTRIBUTED_FAILURE[0]))
     if DISTRIBUTED_FAILURE:

@@ -7,6 +7,7 @@ loop, scipy, a hand-derived value, or an equivalence (vmapped == single run).
 """
 
 import contextlib
+import collections
 import csv
 import importlib.util
 import dataclasses
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import tomllib
 import types
+import warnings
 
 # The CLI's persistent compilation cache goes to a throwaway directory, not ~/.cache (read at import),
 # removed when the test process exits (unless $PPO_JAX_COMPILE_CACHE names one to keep; under
@@ -880,6 +882,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
     T, N = np.shape(raw.reward)
     B, M = T * N, config.num_minibatches
     h = jax.tree.map(lambda x: x.item() if hasattr(x, "item") else x, h)  # Python numbers
+    eps = h.clip_eps * ((1 - int(state.update) / config.num_updates) if h.anneal_clip else 1.0)  # PPO paper's Atari
     with jax.enable_x64(True):
         f64 = lambda tree: jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), tree)  # noqa: E731
         flat = lambda x: np.asarray(x).reshape(B, *np.shape(x)[2:])  # noqa: E731  [T, N, ...] -> [B, ...] (t-major)
@@ -958,17 +961,17 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
             log_probs, entropy = reference_log_prob_and_entropy(out, log_std, actions[idx], kind)
             ratio = jnp.exp(log_probs - old_log_probs[idx])
             surrogate = ratio * minibatch_advantages
-            high = h.clip_eps_high or h.clip_eps  # DAPO's clip-higher: the band's upper edge
-            outside = (ratio < 1 - h.clip_eps) | (ratio > 1 + high) if h.clip_eps > 0 else jnp.zeros(len(idx), bool)
-            if h.clip_eps > 0:
-                clipped_ratio = jnp.clip(ratio, 1 - h.clip_eps, 1 + high)
+            high = h.clip_eps_high or eps  # DAPO's clip-higher: the band's upper edge
+            outside = (ratio < 1 - eps) | (ratio > 1 + high) if eps > 0 else jnp.zeros(len(idx), bool)
+            if eps > 0:
+                clipped_ratio = jnp.clip(ratio, 1 - eps, 1 + high)
                 surrogate = jnp.minimum(surrogate, clipped_ratio * minibatch_advantages)
             floor = h.dual_clip * minibatch_advantages  # dual-clip: where A < 0, at least c A
             dual = (h.dual_clip > 0) & (minibatch_advantages < 0) & (surrogate < floor)
             surrogate = jnp.where(dual, floor, surrogate)
             squared = (new_values - targets[idx]) ** 2
-            if h.clip_vloss and h.clip_eps > 0:
-                moved = values[idx] + jnp.clip(new_values - values[idx], -h.clip_eps, h.clip_eps)
+            if h.clip_vloss and eps > 0:
+                moved = values[idx] + jnp.clip(new_values - values[idx], -eps, eps)
                 squared = jnp.maximum(squared, (moved - targets[idx]) ** 2)
             diagnostics = dict(
                 policy_loss=-surrogate.mean(), value_loss=0.5 * squared.mean() if critic else jnp.nan,
@@ -1116,7 +1119,7 @@ def assert_update_matches(after, metrics, expected, where: str):
 
 REFERENCE_CASES = {  # name: (env, the update's HParams); large steps and a small epsilon, so that clips act.
     # Each field off its default in a case where it acts (--no-clip-vloss where a value clip would bind).
-    "classic": ("CartPole-v1", dict(lr=1e-2, clip_eps=0.05)),
+    "classic": ("CartPole-v1", dict(lr=1e-2, clip_eps=0.05, anneal_clip=True)),
     "continuous": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, gamma=0.95, ent_coef=0.01)),
     "norm_obs_scale_reward": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, norm_obs=True, clip_obs=1.5,
                                                   scale_reward=True, clip_reward=0.05)),
@@ -1510,6 +1513,7 @@ SWITCHES = {  # name: (overrides of the base point, overrides of the flipped poi
     "norm_adv": ({}, dict(norm_adv=False)),
     "lr": ({}, dict(lr=1e-3)),
     "anneal_lr": ({}, dict(anneal_lr=False)),
+    "anneal_clip": ({}, dict(anneal_clip=True)),
     "max_grad_norm": ({}, dict(max_grad_norm=math.inf)),
     "adam_eps": ({}, dict(adam_eps=1e-2)),
     "ortho_init": ({}, dict(ortho_init=False)),
@@ -2078,7 +2082,8 @@ def test_cli_help_lists_flags_with_env_defaults(capsys):
     # What --help says agrees with the README: --env names every suite's prefix, and sweeps take --eval-every.
     row = lambda start, end: " ".join(out[out.index(start):out.index(end)].replace("│", " ").split())  # noqa: E731
     env_help = row("--env STR", "--env-params [STR")
-    for prefix in (P.BRAX_PREFIX, P.PLAYGROUND_PREFIX, P.XMINIGRID_PREFIX, P.JUMANJI_PREFIX, P.CRAFTAX_PREFIX):
+    for prefix in (P.BRAX_PREFIX, P.PLAYGROUND_PREFIX, P.XMINIGRID_PREFIX, P.JUMANJI_PREFIX, P.CRAFTAX_PREFIX,
+                   P.ENVPOOL_PREFIX):
         assert f"{prefix}NAME" in env_help, prefix
     eval_every = row("--eval-every INT", "--eval-episodes INT")
     assert "not sweeps" not in eval_every and "A sweep evaluates every point" in eval_every
@@ -5407,3 +5412,224 @@ def test_rlhf_end_to_end_proxy_rises_and_the_sweep_writes_its_figure(toy_referen
     beta = float(frontier[10]["beta_or_n"])
     exact = P.markov_expectations(P.toy_rlhf_params(), P.optimal_policy(P.toy_rlhf_params(), beta))
     assert float(frontier[10]["gold_reward"]) == pytest.approx(exact["gold_reward"])
+
+
+# --- EnvPool: the PPO paper's own simulators, stepped from inside the program ------------------------
+
+
+def envpool_by_hand(name: str, seed: int, options: dict):
+    """EnvPool's own Python API: one env of `name`, seeded as the adapter seeded one of its pool's."""
+    import envpool
+
+    with warnings.catch_warnings():  # gymnasium's notes on float64 bounds, where the pool makes its spaces
+        warnings.simplefilter("ignore", UserWarning)
+        pool = envpool.make(name, env_type="gymnasium", num_envs=1, env_seed=[seed], **options)
+        pool.observation_space, pool.action_space  # noqa: B018
+    return pool
+
+
+def envpool_rollout(env, keys, actions):
+    """The adapter in a lax.scan inside jit, vmapped over agents (keys [A], actions [A, T, N, ...]) ->
+    per step: (observation acted on, next observation, reward, terminated, truncated, final observation,
+    episode return, episode_end), each [A, T, N, ...], and each agent's env seeds as its pool holds them."""
+    def run(key, actions):
+        obs, state = env.reset(key)
+
+        def step(carry, action):
+            obs, state = carry
+            next_obs, state, reward, terminated, truncated, info = env.step(None, state, action, None)
+            return (next_obs, state), (obs, next_obs, reward, terminated, truncated, info["final_observation"],
+                                       info["episode_return"], info["episode_end"])
+
+        return jax.lax.scan(step, (obs, state), actions)[1]
+
+    out = jax.device_get(jax.jit(jax.vmap(run))(keys, actions))
+    seeds = np.asarray(P.ENVPOOL_POOLS[max(P.ENVPOOL_POOLS)].config["env_seed"]).reshape(len(keys), -1)
+    return out, seeds
+
+
+@pytest.mark.parametrize("env_id,env_params", [("envpool:CartPole-v1", ()),
+                                               ("envpool:Hopper-v4", ("max_steps_in_episode=14",))])
+def test_envpool_adapter_is_envpool_stepped_by_hand_without_its_reset_steps(env_id, env_params):
+    """Two agents of 3 envs in one pool, stepped at random in a scan inside jit, against EnvPool's own
+    Python API stepped by hand, one env at a time, seeded as the pool seeded it: every observation,
+    reward, termination, truncation (Hopper's 14-step limit) and final observation the same. EnvPool
+    resets an env on the step after its episode ended (that step's action ignored, reward 0): by hand
+    that is one more step, and the adapter's next observation after an episode's end is that step's.
+    And an agent's envs are its own: agent 1 alone (no vmap, a pool of its 3 envs) steps the same."""
+    pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements-envpool.txt")
+    num_envs, steps = 3, 60
+    env = P.vec_env(env_id, num_envs, env_params)
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    if env.discrete:
+        actions = jax.random.randint(jax.random.PRNGKey(1), (2, steps, num_envs), 0, env.action_dim)
+    else:  # some beyond the bounds: the adapter clips them, as every continuous VecEnv does
+        actions = 1.5 * jax.random.normal(jax.random.PRNGKey(1), (2, steps, num_envs, env.action_dim))
+    out, seeds = envpool_rollout(env, keys, actions)
+    obs, next_obs, reward, terminated, truncated, final_obs, _, episode_end = out
+    assert len(set(seeds.ravel().tolist())) == 2 * num_envs
+    seen = collections.Counter()
+    for agent in range(2):
+        for n in range(num_envs):
+            reference = envpool_by_hand(env.env.envpool_name, int(seeds[agent, n]), dict(env.env_params.options))
+            dtype = env.pool_action_dtype  # (MuJoCo's: float64)
+            expected, _ = reference.reset()
+            for t in range(steps):
+                np.testing.assert_array_equal(obs[agent, t, n], np.float32(expected[0]))
+                action = np.asarray(actions[agent, t, n])
+                action = action[None] if env.discrete else np.clip(action, env.action_low, env.action_high)[None]
+                after, r, term, trunc, _ = reference.step(action.astype(dtype))
+                np.testing.assert_array_equal(final_obs[agent, t, n], np.float32(after[0]))
+                assert (reward[agent, t, n], terminated[agent, t, n], truncated[agent, t, n]) == \
+                    (np.float32(r[0]), term[0], trunc[0]), (agent, n, t)
+                assert episode_end[agent, t, n] == (term[0] | trunc[0])
+                if term[0] or trunc[0]:  # EnvPool's reset step: by hand, one more; the adapter took it already
+                    after, r, *_, info = reference.step(np.zeros_like(action).astype(dtype))
+                    assert r[0] == 0 and info["elapsed_step"][0] == 0
+                    seen["terminated" if term[0] else "truncated"] += 1
+                np.testing.assert_array_equal(next_obs[agent, t, n], np.float32(after[0]))
+                expected = after
+    assert seen["terminated"] >= 2 and (env_id.endswith("CartPole-v1") or seen["truncated"] >= 6), seen
+    alone, alone_seeds = envpool_rollout(env, keys[1:], actions[1:])
+    np.testing.assert_array_equal(alone_seeds[0], seeds[1])
+    for mine, pooled in zip(alone, out):
+        np.testing.assert_array_equal(mine[0], pooled[1])
+
+
+def test_envpool_atari_trains_on_clipped_lives_and_reports_the_game_score():
+    """Breakout as the PPO paper trained on it, against EnvPool's Python API by hand with the same options
+    (episodic life, clipped rewards): the PPO's reward is the clipped one and a lost life terminates its
+    episode; the episode reported (episode_return where episode_end) is the whole game, its unclipped
+    score, ending at game over. The observation is the 4 stacked 84 x 84 frames as an H x W x C image in
+    [0, 1], which the Nature torso takes by default."""
+    pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements-envpool.txt")
+    num_envs, steps = 2, 400
+    env = P.vec_env("envpool:Breakout-v5", num_envs)
+    assert dict(env.env_params.options) == P.ENVPOOL_ATARI_TRAINING and env.image == (0, (84, 84, 4))
+    config = P.default_config("envpool:Breakout-v5")
+    assert P.make_network(config, env).image_torso == "nature" and config.hparams.anneal_clip
+    actions = jax.random.randint(jax.random.PRNGKey(2), (1, steps, num_envs), 0, env.action_dim)
+    out, seeds = envpool_rollout(env, jax.random.PRNGKey(3)[None], actions)
+    obs, _, reward, terminated, truncated, _, episode_return, episode_end = (x[0] for x in out)
+    games = lives_lost = 0
+    for n in range(num_envs):
+        reference = envpool_by_hand("Breakout-v5", int(seeds[0, n]), P.ENVPOOL_ATARI_TRAINING)
+        frames, _ = reference.reset()
+        score = 0.0
+        for t in range(steps):
+            np.testing.assert_array_equal(np.rint(obs[t, n] * 255), np.moveaxis(frames[0], 0, -1).ravel())  # the bytes
+            frames, r, term, trunc, info = reference.step(np.asarray(actions[0, t, n])[None])
+            score += info["reward"][0]
+            assert reward[t, n] == r[0] == np.sign(info["reward"][0]) and terminated[t, n] == term[0]
+            game_over = bool(info["terminated"][0] or trunc[0])
+            assert episode_end[t, n] == game_over
+            if game_over:
+                assert episode_return[t, n] == score
+                games, score = games + 1, 0.0
+            if term[0] or trunc[0]:
+                lives_lost += not game_over
+                frames, *_ = reference.step(np.zeros(1, np.int32))
+    assert games >= 1 and lives_lost >= 4, (games, lives_lost)
+    assert np.any(np.abs(episode_return[episode_end]) > 1) or np.any(reward == 1)
+
+
+def test_envpool_front_door(tmp_path, capsys, monkeypatch):
+    """EnvPool's ids as a user meets them (check_suite_front_door), and what it cannot do, one line each:
+    its envs on several devices or processes, an option that is not EnvPool's; the Nature torso on an env
+    without images, or with images too small for its first convolution."""
+    pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements-envpool.txt")
+    check_suite_front_door(tmp_path, capsys, monkeypatch, "envpool:Hopper-v4", "envpool:HalfCheetah-v4", "envpool_names", (
+        ("envpool:Hoper-v4", (), "did you mean envpool:Hopper-v4"),
+        ("envpool:", (), "give an env name; it has envpool:"),
+        ("envpool:Hopper-v4", ("frame_skip=x",), "frame_skip needs a int value"),
+        ("envpool:Hopper-v4", ("num_envs=3",), "give name=value with a name from")))
+    monkeypatch.undo()
+    for argv, words in ((["--env-devices", "2"], "--env-devices 2: envpool:Hopper-v4 runs on one device"),
+                        (["--distributed"], "--distributed: envpool:Hopper-v4 steps in a pool of this host's"),
+                        (["--torso", "nature"], "--torso nature needs image observations"),
+                        (["--env", "Breakout-MinAtar", "--torso", "nature"], "--torso nature needs images of 36 x 36 "
+                                                                            "or more")):
+        with pytest.raises(SystemExit) as stop:
+            P.main(["--env", "envpool:Hopper-v4", *argv, "--run-dir", str(tmp_path / "none")])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.optimised
+def test_envpool_cartpole_learns_two_seeds_differ_and_a_resumed_run_goes_on(tmp_path):
+    """--env envpool:CartPole-v1 from the CLI, two seeds in one pool: each learns (a random policy's
+    return is ~22), their curves differ. Stopped by SIGTERM after a chunk and resumed: the run restarts
+    its envs' episodes (a pool cannot be saved) and goes on from the checkpoint's policy, not a fresh one
+    (its first episodes after the resume are as long as those before the stop), to the end."""
+    pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements-envpool.txt")
+    argv = ["--env", "envpool:CartPole-v1", "--num-seeds", "2", "--total-timesteps", str(512 * 120),
+            "--checkpoint-every", "30", "--table-rows", "0"]
+    code, err = sigterm_at("update 30/120", [*argv, "--run-dir", str(tmp_path / "run")])
+    assert code == 143, err[-2000:]
+    rows = read_metrics_csv(tmp_path / "run" / "metrics.csv")
+    assert len(rows["update"]) == 2 * 60
+    resumed = cli(["--resume", str(tmp_path / "run"), "--quiet", "--table-rows", "0"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = read_metrics_csv(tmp_path / "run" / "metrics.csv")
+    curves = np.stack([rows["episode_return"][rows["seed"] == s] for s in range(2)])  # [seeds, updates]
+    assert curves.shape == (2, 120) and not np.array_equal(curves[0], curves[1])
+    final = np.nanmean(curves[:, -12:], axis=1)
+    assert np.all(final > 150), final
+    assert np.all(np.nanmean(curves[:, 60:66], axis=1) > 3 * np.nanmean(curves[:, :6], axis=1)), curves[:, 54:66]
+
+
+def test_readme_envpool_commands_start_as_printed(tmp_path):
+    """The README's EnvPool commands, from its text, each cut to one short update (the flags after the
+    printed ones): they run from the CLI and write a run; Hopper gets the paper's MuJoCo setting (one env x
+    2048 steps, CleanRL's normalisations), Pong its Atari setting on the Nature torso."""
+    pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements-envpool.txt")
+    lines = [line for line in open(README).read().splitlines() if line.startswith("python ppo_jax.py --env envpool:")]
+    assert len(lines) == 2
+    for i, line in enumerate(lines):
+        argv = readme_command(line.split("#")[0].strip())
+        env_id = argv[argv.index("--env") + 1]
+        config = P.default_config(env_id)
+        short = ["--update-epochs", "1", "--num-minibatches", "2", *(["--num-steps", "16"] if "Pong" in env_id else [])]
+        batch = config.num_envs * (16 if "Pong" in env_id else config.num_steps)
+        result = P.main([*argv, *short, "--total-timesteps", str(batch), "--run-dir", str(tmp_path / str(i)), "--quiet",
+                         "--table-rows", "0"])
+        assert (tmp_path / str(i) / "params.msgpack").exists() and result.metrics["episode_return"].shape[-1] == 1
+        if "Hopper" in env_id:
+            assert (result.config.num_envs, result.config.num_steps, result.config.num_seeds) == (1, 2048, 3)
+            assert result.config.hparams.norm_obs and result.config.hparams.clip_reward == 10
+        else:  # Mnih et al. 2015's network: 84 x 84 x 4 -> 20 x 20 x 32 -> 9 x 9 x 64 -> 7 x 7 x 64 -> 512, shared
+            layers = result.state.params["params"]
+            shapes = {name: layers[name]["kernel"].shape[1:] for name in ("conv_0", "conv_1", "conv_2", "trunk_0")}
+            assert shapes == {"conv_0": (8, 8, 4, 32), "conv_1": (4, 4, 32, 64), "conv_2": (3, 3, 64, 64),
+                              "trunk_0": (7 * 7 * 64, 512)}, shapes
+
+
+def test_envpool_specs_are_the_ppo_papers_settings_and_each_envs_defaults():
+    """sweeps/mujoco_1m.toml resolves (every env built, nothing compiled) to the PPO paper's MuJoCo setting
+    (Table 3) with CleanRL's normalisations at 1e6 steps, 3 seeds, on the paper's seven envs then Humanoid,
+    Pusher and Ant; sweeps/atari.toml to its Atari setting (Table 5) at 1e7 steps. Each setting is what
+    `--env envpool:NAME --num-seeds 3` alone gives (the env's defaults)."""
+    pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements-envpool.txt")
+    folder = os.path.join(os.path.dirname(P.__file__), "sweeps")
+    mujoco = resolve(tomllib.loads(open(os.path.join(folder, "mujoco_1m.toml")).read()))
+    assert [config.env for config in mujoco.configs] == [f"envpool:{name}-v4" for name in (
+        "Hopper", "HalfCheetah", "Walker2d", "InvertedPendulum", "InvertedDoublePendulum", "Reacher", "Swimmer",
+        "Humanoid", "Pusher", "Ant")]
+    atari = resolve(tomllib.loads(open(os.path.join(folder, "atari.toml")).read()))
+    assert [config.env for config in atari.configs] == ["envpool:Pong-v5", "envpool:Breakout-v5", "envpool:BeamRider-v5"]
+    for sweep in (mujoco, atari):
+        assert len(sweep.points) == 1
+        for config in sweep.configs:
+            alone = P.default_config(config.env, num_seeds=3)
+            torso = "nature" if sweep is atari else "auto"
+            assert config == dataclasses.replace(alone, torso=torso), config.env
+            P.make_gymnax(config.env, config.env_params)
+    h = mujoco.configs[0].hparams
+    assert (mujoco.configs[0].batch_size, mujoco.configs[0].minibatch_size, mujoco.configs[0].update_epochs,
+            mujoco.configs[0].total_timesteps, h.lr, h.clip_eps, h.ent_coef, h.clip_reward, h.clip_obs) == \
+        (2048, 64, 10, 1_000_000, 3e-4, 0.2, 0.0, 10.0, 10.0)
+    h = atari.configs[0].hparams
+    assert (atari.configs[0].num_envs, atari.configs[0].num_steps, atari.configs[0].update_epochs,
+            atari.configs[0].minibatch_size, atari.configs[0].total_timesteps, h.lr, h.clip_eps, h.anneal_clip,
+            h.vf_coef, h.ent_coef) == (8, 128, 3, 256, 10_000_000, 2.5e-4, 0.1, True, 1.0, 0.01)
