@@ -443,7 +443,7 @@ def envpool_figures(repeats: int) -> dict:
         config = dataclasses.replace(config, total_timesteps=updates * config.batch_size, checkpoint_every=updates)
         result = ppo_jax.run_batch(config, ppo_jax.seed_keys(config), ppo_jax.stack_hparams([config.hparams]),
                                    timed_runs=1)
-        ppo_per_s = result.env_steps / result.run_seconds
+        ppo_per_s = result.steps_per_second
         env_per_s = steps * num_envs / program_s
         rows[name] = {"env": env_id, "num_envs": num_envs, "python_loop_steps_per_s": round(steps * num_envs / python_s),
                       "in_program_steps_per_s": round(env_per_s),

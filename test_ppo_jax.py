@@ -5561,7 +5561,8 @@ def test_envpool_cartpole_learns_two_seeds_differ_and_a_resumed_run_goes_on(tmp_
     """--env envpool:CartPole-v1 from the CLI, two seeds in one pool: each learns (a random policy's
     return is ~22), their curves differ. Stopped by SIGTERM after a chunk and resumed: the run restarts
     its envs' episodes (a pool cannot be saved) and goes on from the checkpoint's policy, not a fresh one
-    (its first episodes after the resume are as long as those before the stop), to the end."""
+    (its first episodes after the resume are as long as those before the stop), to the end. --eval and
+    load_run take its policy, as of any run."""
     pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements-envpool.txt")
     argv = ["--env", "envpool:CartPole-v1", "--num-seeds", "2", "--total-timesteps", str(512 * 120),
             "--checkpoint-every", "30", "--table-rows", "0"]
@@ -5576,6 +5577,10 @@ def test_envpool_cartpole_learns_two_seeds_differ_and_a_resumed_run_goes_on(tmp_
     assert curves.shape == (2, 120) and not np.array_equal(curves[0], curves[1])
     final = np.nanmean(curves[:, -12:], axis=1)
     assert np.all(final > 150), final
+    evaluated = cli(["--eval", str(tmp_path / "run"), "--episodes", "4", "--deterministic"])  # a pool of its own
+    assert evaluated.returncode == 0 and "over 8 complete episodes" in evaluated.stdout, evaluated.stderr[-2000:]
+    policy = P.load_run(str(tmp_path / "run"), seed=1)
+    assert policy.act(np.zeros(4, np.float32)).shape == ()  # an observation as EnvPool gives it
     assert np.all(np.nanmean(curves[:, 60:66], axis=1) > 3 * np.nanmean(curves[:, :6], axis=1)), curves[:, 54:66]
 
 
