@@ -1009,9 +1009,12 @@ class ActorCritic(nn.Module):
             # observation, so they need no gradient).
             image = obs[..., start:end].reshape(-1, *self.image_shape)
             if self.image_torso == "nature":  # Mnih et al. 2015: 84 x 84 -> 20 x 20 x 32 -> 9 x 9 x 64 -> 7 x 7 x 64
+                # Each convolution as its patches times a [size * size * C, width] kernel, as the 3x3 one
+                # below. Speed: inside the update's lax.scan, XLA's CPU convolution gradient ran ~13x slower.
                 for i, (width, size, stride) in enumerate(((32, 8, 4), (64, 4, 2), (64, 3, 1))):
-                    image = nn.relu(nn.Conv(width, (size, size), (stride, stride), "VALID",
-                                            kernel_init=init(math.sqrt(2.0)), name=f"conv_{i}")(image))
+                    patches = jax.lax.conv_general_dilated_patches(image, (size, size), (stride, stride), "VALID",
+                                                                   dimension_numbers=("NHWC", "OIHW", "NHWC"))
+                    image = nn.relu(layer(width, math.sqrt(2.0), f"conv_{i}")(patches))
                 features = image
             else:
                 patches = jax.lax.conv_general_dilated_patches(image, (3, 3), (1, 1), "SAME",

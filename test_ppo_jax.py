@@ -5606,8 +5606,8 @@ def test_readme_envpool_commands_start_as_printed(tmp_path):
         else:  # Mnih et al. 2015's network: 84 x 84 x 4 -> 20 x 20 x 32 -> 9 x 9 x 64 -> 7 x 7 x 64 -> 512, shared
             layers = result.state.params["params"]
             shapes = {name: layers[name]["kernel"].shape[1:] for name in ("conv_0", "conv_1", "conv_2", "trunk_0")}
-            assert shapes == {"conv_0": (8, 8, 4, 32), "conv_1": (4, 4, 32, 64), "conv_2": (3, 3, 64, 64),
-                              "trunk_0": (7 * 7 * 64, 512)}, shapes
+            assert shapes == {"conv_0": (8 * 8 * 4, 32), "conv_1": (4 * 4 * 32, 64), "conv_2": (3 * 3 * 64, 64),
+                              "trunk_0": (7 * 7 * 64, 512)}, shapes  # each convolution's kernel over its patches
 
 
 def test_envpool_specs_are_the_ppo_papers_settings_and_each_envs_defaults():
