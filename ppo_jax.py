@@ -3267,8 +3267,8 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
                                                   or len(env.observation_space(env_params).shape) == 3):
         raise ConfigError(f"--torso {config.torso} needs image observations (H x W x C) or a grid; {config.env}'s "
                           "are not: use --torso mlp")
-    if config.torso == "nature" and min(vec_env(config.env, 1, config.env_params).image[1][:2]) < 36:
-        height, width, _ = vec_env(config.env, 1, config.env_params).image[1]
+    height, width, _ = vec_env(config.env, 1, config.env_params).image[1] if config.torso == "nature" else (36, 36, 0)
+    if min(height, width) < 36:
         raise ConfigError(f"--torso nature needs images of 36 x 36 or more (its first convolution is 8 x 8, stride 4); "
                           f"{config.env}'s are {height} x {width}: use --torso cnn")
     for name, choices in CHOICES.items():  # a spec file or Python may give any string
