@@ -1,9 +1,10 @@
 """ppo_jax: Proximal Policy Optimization as one XLA program.
 
 PPO (Schulman et al., 2017, arXiv:1707.06347) on gymnax, Brax, EnvPool's MuJoCo and Atari, and more: the clipped
-surrogate, PPO-Penalty (adaptive KL) and a KL leash to a frozen reference policy, every
-implementation detail a switch. Env stepping, GAE and the epochs of minibatch updates run in one
-jax.jit; seeds and whole hyperparameter grids are vmapped inside that one program.
+surrogate, PPO-Penalty (adaptive KL) and a KL leash to a frozen reference policy, every implementation
+detail a switch; TRPO, vanilla PG and A2C beside it (--algo), as the paper compared them. Env stepping,
+GAE and the epochs of minibatch updates run in one jax.jit; seeds and whole hyperparameter grids are
+vmapped inside that one program.
 
     python ppo_jax.py                                   # CartPole-v1, the classic config
     python ppo_jax.py --sweep sweeps/clip_vs_kl.toml    # the PPO paper's Table 1, one compile per env
@@ -25,7 +26,7 @@ Where to hack (the five rules a change must keep are in HParams' docstring):
                              per epoch), minibatch_step; static choices reach them all as Setup;
                              a pass split over slices and devices: Parts (section 10: speed)
     optimizer, lr schedule   make_optimizer (optax; groups: actor_critic_labels), learning_rate, build_optimizer
-    a hyperparameter         a field of HParams (traced: a flag and a sweep axis, swept without recompiling)
+    TRPO, VPG, A2C (--algo)  trpo_step, vpg_step (policy_then_critic); A2C is PPO's loss, one step; ALGO_DEFAULTS
     carried across updates   a field of TrainState, its initial value in init_train_state (old checkpoints too)
     environments             VecEnv; adapters: BraxEnv, PlaygroundEnv, XMiniGridEnv, JumanjiEnv, CraftaxEnv,
                              EnvPoolEnv (host-stepped); ToyRLHF (RLHF in miniature; its ground truth: section 8)
@@ -64,7 +65,7 @@ import traceback
 import types
 import typing
 import warnings
-from typing import Annotated, Any, Callable, Literal, Sequence
+from typing import Annotated, Any, Callable, Literal, NamedTuple, Sequence
 
 import jax
 
@@ -237,6 +238,11 @@ class HParams:
     """The controller's horizon H in episodes (--ref-kl-target): how slowly beta moves."""
     target_kl: float = 0.0
     """Skip the update's remaining gradient steps once a minibatch's approx KL exceeds this; 0: never."""
+    max_kl: float = 0.01
+    """--algo trpo: the trust region's delta, the bound on the mean KL[pi_old || pi] of each step
+    (TRPO paper, Schulman et al. 2015, Eq. 12)."""
+    cg_damping: float = 0.1
+    """--algo trpo: lambda of the damped Fisher matrix F + lambda I that conjugate gradient inverts."""
     ent_coef: float = 0.01
     """Entropy bonus coefficient c2 (PPO paper, Eq. 9)."""
     vf_coef: float = 0.5
@@ -264,7 +270,7 @@ class HParams:
     max_grad_norm: float = 0.5
     """Clip the global gradient norm to this value (inf: no clipping)."""
     adam_eps: float = 1e-5
-    """Adam epsilon."""
+    """Adam epsilon (--optimizer rmsprop: RMSprop's)."""
     ortho_init: bool = True
     """Orthogonal init (sqrt 2 hidden, 0.01 policy head, 1 value head); off: flax's default (LeCun normal)."""
     log_std_init: float = 0.0
@@ -307,6 +313,24 @@ class Config:
     """Passes over each batch (PPO paper's K epochs)."""
     num_minibatches: int = 4
     """Minibatches per epoch; must divide the batch."""
+    algo: Literal["ppo", "trpo", "vpg", "a2c"] = "ppo"
+    """The policy's update, on the same rollout, advantages and critic (the PPO paper's Figure 3 compares
+    them). ppo: the clipped surrogate, epochs of minibatches. trpo (Schulman et al. 2015): per batch, one
+    natural-gradient step on the surrogate, its size set by --max-kl and a backtracking line search
+    (conjugate gradient on Fisher-vector products: --cg-iterations, --cg-damping), and the critic fitted
+    apart by the epochs of minibatches. vpg: per batch, one Adam step of the policy gradient whose step
+    size follows the KL between successive policies towards --kl-target (the PPO paper's "vanilla PG,
+    adaptive"), the critic as trpo's. a2c (Mnih et al. 2016, synchronous): one RMSprop step on the policy
+    gradient and the value loss per short rollout: PPO's loss at ratio 1, one epoch of one minibatch.
+    Each brings its own defaults over the env's (ALGO_DEFAULTS; --algo X --help shows them)."""
+    cg_iterations: int = 10
+    """--algo trpo: conjugate gradient's iterations (a fixed number, so the step stays in the program)."""
+    line_search_steps: int = 10
+    """--algo trpo: the backtracking line search's candidates, the full step times 1, 1/2, 1/4, ...: the
+    first that improves the surrogate within --max-kl is taken, and none if none does."""
+    optimizer: Literal["adam", "rmsprop"] = "adam"
+    """The optimizer's rule (make_optimizer): adam, or rmsprop (decay 0.99, epsilon outside the root, as
+    the A2C papers' and PyTorch's; --algo a2c's default); --adam-eps is its epsilon either way."""
     adv_estimator: Literal["gae", "grpo", "rloo", "dr_grpo"] = "gae"
     """gae: GAE with a learned critic. The others are critic-free (no critic is built or trained) and
     score whole episodes against the other episodes of their group (--group-size), every step of an
@@ -481,6 +505,12 @@ class Config:
     def has_critic(self) -> bool:
         """Whether the run learns a critic (GAE's values): the one place that says so."""
         return self.adv_estimator == "gae"
+
+    @property
+    def critic_apart(self) -> bool:
+        """Whether the policy takes its own step and the critic is fitted apart (--algo trpo, vpg): the one
+        place that says so."""
+        return self.algo in ("trpo", "vpg")
 
     @property
     def is_recurrent(self) -> bool:
@@ -666,13 +696,30 @@ ENV_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# Each algorithm's defaults, over the env's (default_config: `--algo X --env Y --help` shows them). TRPO and
+# VPG keep the env's rollout, critic and its epochs, so that only the policy's step differs from PPO's: the
+# trust region as the TRPO paper's MuJoCo runs (delta 0.01) and Spinning Up's and Tianshou's damping (0.1);
+# VPG's KL target the size of a PPO update's on MuJoCo. A2C as Mnih et al. 2016 and its baselines (RL
+# Baselines3 Zoo, Tianshou): 16 envs x 5 steps, n-step returns (lambda 1), RMSprop at 7e-4, no advantage
+# normalisation, one step per rollout.
+ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ppo": {},
+    "trpo": dict(hparams=dict(max_kl=0.01, cg_damping=0.1)),
+    "vpg": dict(hparams=dict(kl_target=0.01)),
+    "a2c": dict(num_envs=16, num_steps=5, update_epochs=1, num_minibatches=1, optimizer="rmsprop",
+                hparams=dict(lr=7e-4, gae_lambda=1.0, norm_adv=False, max_grad_norm=0.5)),
+}
+
+
 def default_config(env_id: str, **fields) -> Config:
     """The Config a user gets for `--env env_id` (that env's defaults, as its --help shows them), with
     `fields` of Config on top; `hparams` may be a dict of HParams fields, which replace those of the
     env's point and keep the rest. From Python this is the way in: Config(env=...) alone keeps
     CartPole's defaults (Config's own), whatever the env.
 
-        config = default_config("Pendulum-v1", num_seeds=4, hparams=dict(lr=3e-4))"""
+        config = default_config("Pendulum-v1", num_seeds=4, hparams=dict(lr=3e-4))
+
+    `algo` among the fields brings that algorithm's defaults too (ALGO_DEFAULTS), under the fields."""
     if env_id.startswith(BRAX_PREFIX):
         overrides = BRAX
     elif env_id.startswith(XMINIGRID_PREFIX):
@@ -694,7 +741,9 @@ def default_config(env_id: str, **fields) -> Config:
         discrete = isinstance(env.action_space(env_params), spaces.Discrete)
         overrides = CLASSIC_DISCRETE if discrete else CLASSIC_CONTINUOUS
     overrides = dict(overrides or {})  # an unknown id: Config's own (validate() reports the id)
-    hparams = HParams(**overrides.pop("hparams", {}))
+    algo = ALGO_DEFAULTS.get(fields.get("algo", Config.algo), {})  # an unknown one: validate() reports it
+    overrides = {**overrides, **algo, "hparams": {**overrides.get("hparams", {}), **algo.get("hparams", {})}}
+    hparams = HParams(**overrides.pop("hparams"))
     chosen = fields.pop("hparams", {})
     for given, known, kind in ((fields, Config, "Config"), ({} if isinstance(chosen, HParams) else chosen, HParams,
                                                             "HParams")):
@@ -1175,6 +1224,7 @@ class TrainState:
     reward_stats: RunningStats  # of the per-env discounted return (for --scale-reward)
     discounted_return: jax.Array = per_env()  # [N]
     kl_coef: jax.Array  # PPO-Penalty's beta, adapted after each update
+    step_scale: jax.Array  # --algo vpg: the multiplier of the policy's learning rate, adapted after each update (1)
     ref_kl_coef: jax.Array  # the KL leash's beta: --ref-kl-coef, adapted after each update with --ref-kl-target
     reference: Policy  # the frozen pi_ref of the KL leash
     ref_hidden: jax.Array = per_env()  # [N, H] pi_ref's recurrent state (a recurrent reference has its own memory)
@@ -1567,11 +1617,16 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
     # Speed: every epoch's shuffle drawn in one vectorised call.
     shuffled = config.num_envs if recurrent else config.batch_size  # whole env sequences, or samples
     key, permutations = minibatch_orders(state.key, config.update_epochs, shuffled)
-    tx, lr = build_optimizer(config, hparams, state.update)
-    step_fn = functools.partial(minibatch_step, tx=tx, hparams=hparams, kl_coef=state.kl_coef, setup=setup)
-    epoch = functools.partial(epoch_step, batch=batch, traj=traj, hparams=hparams, step_fn=step_fn, setup=setup)
-    (params, opt_state, _), diagnostics = jax.lax.scan(epoch, (state.params, state.opt_state, jnp.array(False)),
-                                                       permutations)
+    tx, lr = build_optimizer(config, hparams, state.update, state.step_scale)
+    if config.critic_apart:  # TRPO, VPG: the policy's own step, then the critic fitted by the epochs alone
+        (params, opt_state, step_scale), diagnostics = policy_then_critic(state, tx, batch, own, traj, permutations,
+                                                                          hparams, setup)
+    else:  # PPO; A2C is its one epoch of one minibatch, at ratio 1: the policy gradient (validate)
+        step_fn = functools.partial(minibatch_step, tx=tx, hparams=hparams, kl_coef=state.kl_coef, setup=setup)
+        epoch = functools.partial(epoch_step, batch=batch, traj=traj, hparams=hparams, step_fn=step_fn, setup=setup)
+        (params, opt_state, _), diagnostics = jax.lax.scan(epoch, (state.params, state.opt_state, jnp.array(False)),
+                                                           permutations)
+        step_scale = state.step_scale
 
     # PPO-Penalty: d = the exact mean KL between the old and the updated policy over the batch.
     new_kl = lambda part: jnp.mean(part.dist.kl(network.apply(params, part.obs, part.first, part.hidden).dist))  # noqa: E731
@@ -1611,7 +1666,7 @@ def update_step(state: TrainState, _, config: Config, env: VecEnv, network, hpar
         **({} if env.discrete else {"action_clip_frac": sums["action_clip"] / parts.shards}),  # mean over devices
     }
     state = state.replace(params=params, opt_state=opt_state, kl_coef=kl_coef, ref_kl_coef=ref_kl_coef, key=key,
-                          update=state.update + 1)
+                          step_scale=step_scale, update=state.update + 1)
     return state, metrics
 
 
@@ -1675,16 +1730,17 @@ def epoch_targets(params, batch: Batch, traj: Transition, hparams: HParams, setu
 
 
 def minibatch_step(carry, minibatch: Batch, tx: optax.GradientTransformation, hparams: HParams, kl_coef,
-                   setup: Setup):
-    """One gradient step of the optimizer `tx` (make_optimizer), unless --target-kl has stopped this
+                   setup: Setup, loss=ppo_loss):
+    """One gradient step of the optimizer `tx` (make_optimizer) on `loss`, unless --target-kl has stopped this
     update: a stopped step leaves the params and the optimizer's state as they were (a select over
     both trees, not a branch, so the whole update stays one program). The gradient and diagnostics
     are the mean of the minibatch's parts (rule 2): with sharded envs `minibatch` is this device's
     part, and every device takes the same step."""
     params, opt_state, stopped = carry
-    grad = jax.grad(lambda params, part: ppo_loss(params, part, hparams, kl_coef, setup), has_aux=True)
+    grad = jax.grad(lambda params, part: loss(params, part, hparams, kl_coef, setup), has_aux=True)
     grads, diagnostics = setup.parts.mean(lambda part: grad(params, part), minibatch)
-    stopped = stopped | ((hparams.target_kl > 0) & (diagnostics["approx_kl"] > hparams.target_kl))
+    approx_kl = diagnostics.get("approx_kl", 0.0)  # (a critic's loss has none: no stop)
+    stopped = stopped | ((hparams.target_kl > 0) & (approx_kl > hparams.target_kl))
     diagnostics["grad_norm"] = optax.tree.norm(grads)  # before clipping; non-finite: see the NaN guard
     updates, new_opt_state = tx.update(grads, opt_state, params)
     params, opt_state = jax.tree.map(lambda old, new: jnp.where(stopped, old, new), (params, opt_state),
@@ -1709,6 +1765,140 @@ def shuffle_sequences_into_minibatches(permutation, batch: Batch, num_minibatche
     return time_major.replace(hidden=split(batch.hidden, 0))
 
 
+# --- the other policy updates (--algo trpo, vpg: the PPO paper's Figure 3) -----------------------------
+
+
+LINE_SEARCH_DECAY = 0.5  # TRPO's backtracking: the step times 1, 1/2, 1/4, ... (the TRPO paper's exponential decay)
+
+
+def policy_then_critic(state: TrainState, tx: PolicyAndCritic, batch: Batch, own: Batch, traj: Transition,
+                       permutations, hparams: HParams, setup: Setup):
+    """--algo trpo and vpg: one step of the policy on the whole batch (trpo_step, vpg_step), then the
+    critic fitted alone by PPO's epochs of minibatches on the value loss (critic_loss), with an
+    optimizer of its own. -> ((params, opt_state, step_scale), diagnostics). The advantages are
+    normalised over the whole batch (--norm-adv), as PPO's over each minibatch."""
+    advantages = batch.advantages  # the whole agent's: the statistics; `own`, this device's part, steps
+    normalised = (own.advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    own = own.replace(advantages=jnp.where(hparams.norm_adv, normalised, own.advantages))
+    policy_state, critic_state = state.opt_state
+    if setup.config.algo == "trpo":
+        (params, policy_diagnostics), step_scale = trpo_step(state.params, own, hparams, setup), state.step_scale
+    else:
+        (params, policy_state, step_scale), policy_diagnostics = vpg_step(state, tx.policy, own, hparams, setup)
+    if setup.config.has_critic:
+        step_fn = functools.partial(minibatch_step, tx=tx.critic, hparams=hparams, kl_coef=0.0, setup=setup,
+                                    loss=critic_loss)
+        epoch = functools.partial(epoch_step, batch=batch, traj=traj, hparams=hparams, step_fn=step_fn, setup=setup)
+        (params, critic_state, _), diagnostics = jax.lax.scan(epoch, (params, critic_state, jnp.array(False)),
+                                                              permutations)
+    else:  # critic-free advantages: nothing to fit
+        diagnostics = {"value_loss": jnp.float32(jnp.nan), "grad_norm": jnp.float32(jnp.nan),
+                       "grad_steps": jnp.zeros(())}
+    return (params, (policy_state, critic_state), step_scale), {**diagnostics, **policy_diagnostics}
+
+
+def critic_loss(params, batch: Batch, hparams: HParams, kl_coef, setup: Setup):
+    """TRPO's and VPG's critic, fitted apart from the policy: value_loss alone (no --vf-coef: no other term
+    to weigh it against)."""
+    v_loss = value_loss(setup.network.apply(params, batch.obs, batch.first, batch.hidden).value, batch.value,
+                        batch.targets, hparams)
+    return v_loss, {"value_loss": v_loss}
+
+
+def surrogate(params, batch: Batch, hparams: HParams, setup: Setup):
+    """TRPO's and VPG's objective, to be maximised: the unclipped surrogate mean(r A) (at the rollout's
+    params r = 1, and its gradient is the policy gradient) plus the entropy bonus -> (objective,
+    diagnostics with the exact mean KL[pi_old || pi])."""
+    dist = setup.network.apply(params, batch.obs, batch.first, batch.hidden).dist
+    log_ratio = dist.log_prob(batch.action) - batch.log_prob
+    ratio = jnp.exp(log_ratio)
+    objective, entropy = jnp.mean(ratio * batch.advantages), jnp.mean(dist.entropy())
+    return objective + hparams.ent_coef * entropy, {"policy_loss": -objective, "entropy": entropy,
+                                                    "approx_kl": jnp.mean((ratio - 1.0) - log_ratio),
+                                                    "kl": jnp.mean(batch.dist.kl(dist))}
+
+
+def trpo_step(params, batch: Batch, hparams: HParams, setup: Setup):
+    """TRPO (Schulman et al. 2015, Sec. 6 and Appendix C): the natural gradient x = (F + lambda I)^-1 g by
+    conjugate gradient, g the surrogate's gradient and F the Fisher matrix, the Hessian of the mean
+    KL[pi_old || pi] at the rollout's params (products F v forward-over-reverse, never F itself); the
+    step s = sqrt(2 delta / x^T (F + lambda I) x) x, whose KL in the quadratic model is delta (--max-kl);
+    then a backtracking line search that takes the first of s, s/2, s/4, ... whose surrogate improves
+    and whose exact mean KL is within delta, and no step if none is. The critic's parameters have no
+    gradient here (nor Fisher rows), so they stay. -> (params, diagnostics)."""
+    parts, (flat, unravel) = setup.parts, ravel_pytree(params)
+    measure = lambda x, part: surrogate(unravel(x), part, hparams, setup)  # noqa: E731
+    gradient = parts.mean(lambda part: jax.grad(lambda x: measure(x, part)[0])(flat), batch)
+    kl_gradient = lambda part: jax.grad(lambda x: measure(x, part)[1]["kl"])  # noqa: E731
+
+    def fisher_product(v):  # (F + lambda I) v, F v = d/dt grad KL(flat + t v) at t = 0
+        return parts.mean(lambda part: jax.jvp(kl_gradient(part), (flat,), (v,))[1], batch) + hparams.cg_damping * v
+
+    direction, residual = conjugate_gradient(fisher_product, gradient, setup.config.cg_iterations)
+    curvature = direction @ fisher_product(direction)  # x^T (F + lambda I) x
+    step = direction * jnp.sqrt(2.0 * hparams.max_kl / jnp.where(curvature > 0, curvature, 1.0))
+    before, diagnostics = parts.mean(lambda part: measure(flat, part), batch)
+    fractions = LINE_SEARCH_DECAY ** jnp.arange(setup.config.line_search_steps, dtype=jnp.float32)
+    objectives, tried = jax.lax.map(lambda f: parts.mean(lambda part: measure(flat + f * step, part), batch),
+                                    fractions)
+    accepted = (objectives > before) & (tried["kl"] <= hparams.max_kl)
+    fraction = jnp.where(jnp.any(accepted), fractions[jnp.argmax(accepted)], 0.0)  # the first accepted, or none
+    taken = jnp.where(jnp.any(accepted), tried["approx_kl"][jnp.argmax(accepted)], 0.0)
+    return unravel(flat + fraction * step), {
+        **{name: diagnostics[name] for name in ("policy_loss", "entropy")}, "approx_kl": taken,
+        "clip_frac": jnp.float32(0.0), "line_search_fraction": fraction,
+        "cg_residual": residual / (jnp.linalg.norm(gradient) + 1e-12)}
+
+
+def conjugate_gradient(matvec, b, iterations: int):
+    """x ~ A^-1 b for a symmetric positive definite A given as a product, matvec(v) = A v, by `iterations`
+    steps of conjugate gradient from x = 0 (Nocedal and Wright, Algorithm 5.2), a lax.scan -> (x, the
+    norm of the residual b - A x). A residual of exactly 0 ends the progress (no division by 0)."""
+    def step(carry, _):
+        x, r, p, rr = carry
+        ap = matvec(p)
+        curvature = p @ ap
+        alpha = jnp.where(curvature > 0, rr / jnp.where(curvature > 0, curvature, 1.0), 0.0)
+        x, r = x + alpha * p, r - alpha * ap
+        rr_next = r @ r
+        p = r + jnp.where(rr > 0, rr_next / jnp.where(rr > 0, rr, 1.0), 0.0) * p
+        return (x, r, p, rr_next), None
+
+    (x, _, _, rr), _ = jax.lax.scan(step, (jnp.zeros_like(b), b, b, b @ b), None, length=iterations)
+    return x, jnp.sqrt(rr)
+
+
+def vpg_step(state: TrainState, tx: optax.GradientTransformation, batch: Batch, hparams: HParams, setup: Setup):
+    """The PPO paper's "vanilla PG, adaptive" (Sec. 6.1): one step of the optimizer on the policy gradient
+    (the gradient of the unclipped surrogate at the rollout's params), at the learning rate times
+    state.step_scale, which then follows the exact mean KL between the old and new policy towards
+    --kl-target (adaptive_step_scale) -> ((params, the policy's optimizer state, step_scale), diagnostics)."""
+    grads, diagnostics = setup.parts.mean(
+        lambda part: jax.grad(lambda p: surrogate(p, part, hparams, setup), has_aux=True)(state.params), batch)
+    grads = jax.tree.map(jnp.negative, grads)  # ascent on the surrogate
+    updates, policy_state = tx.update(grads, state.opt_state[0], state.params)
+    params = optax.apply_updates(state.params, updates)
+    after = setup.parts.mean(lambda part: surrogate(params, part, hparams, setup)[1], batch)
+    step_scale = jnp.where(hparams.kl_target > 0, adaptive_step_scale(state.step_scale, after["kl"], hparams.kl_target),
+                           state.step_scale)
+    return (params, policy_state, step_scale), {
+        "policy_loss": diagnostics["policy_loss"], "entropy": diagnostics["entropy"], "approx_kl": after["approx_kl"],
+        "clip_frac": jnp.float32(0.0), "step_scale": state.step_scale}
+
+
+STEP_SCALE_BOUND = 100.0  # VPG's step size stays within [1/100, 100] x --lr (KL-adaptive learning rates are bounded)
+
+
+def adaptive_step_scale(step_scale, kl, kl_target):
+    """VPG's step size as the PPO paper adapts it (Sec. 6.1, "a rule similar to" Sec. 4's for beta, turned
+    round): divided by 1.5 when KL > 1.5 d_targ, multiplied by 1.5 when KL < d_targ / 1.5; within
+    STEP_SCALE_BOUND, so that a policy whose KL no step moves (one gone deterministic: no gradient) cannot
+    grow it without end, to a step that overflows."""
+    scale = jnp.where(kl > 1.5 * kl_target, step_scale / 1.5, jnp.where(kl < kl_target / 1.5, step_scale * 1.5,
+                                                                         step_scale))
+    return jnp.clip(scale, 1.0 / STEP_SCALE_BOUND, STEP_SCALE_BOUND)
+
+
 def learning_rate(hparams: HParams, update, num_updates):
     """The learning rate of (0-based) update `update`: --lr, with --anneal-lr linearly towards 0 over
     the run (optax's linear schedule, by update as in CleanRL, so an update whose steps --target-kl
@@ -1722,27 +1912,50 @@ def explained_variance(predictions, targets):
     return 1.0 - jnp.var(targets - predictions) / jnp.var(targets)
 
 
-def make_optimizer(hparams: HParams, learning_rate) -> optax.GradientTransformation:
+def make_optimizer(hparams: HParams, learning_rate, rule: str = "adam") -> optax.GradientTransformation:
     """The optimizer, and the one place to change it: global-norm clipping (--max-grad-norm), Adam
-    (--adam-eps), then the step of size `learning_rate` (update_step passes this update's, from
+    (--adam-eps; `rule` rmsprop: RMSprop, --optimizer), then the step of size `learning_rate` (update_step
+    passes this update's, from
     learning_rate(); a schedule over gradient steps, count -> lr, works too). build_optimizer calls it,
     for the state and the steps alike. It is built inside the traced update from traced HParams, so a
     sweep over --lr, --adam-eps or --max-grad-norm compiles once; the state's tree must not depend on
     their values.
     Parameter groups: optax.multi_transform with actor_critic_labels (README, "Hacking ppo_jax")."""
+    scale = (optax.scale_by_adam(b1=0.9, b2=0.999, eps=hparams.adam_eps) if rule == "adam"
+             else optax.scale_by_rms(decay=0.99, eps=hparams.adam_eps, eps_in_sqrt=False))  # g / (sqrt(v) + eps)
     return optax.chain(
         optax.clip_by_global_norm(hparams.max_grad_norm),
-        optax.scale_by_adam(b1=0.9, b2=0.999, eps=hparams.adam_eps),
+        scale,
         optax.scale_by_learning_rate(learning_rate),
     )
 
 
-def build_optimizer(config: Config, hparams: HParams, update) -> tuple[optax.GradientTransformation, jax.Array]:
+class PolicyAndCritic(NamedTuple):
+    """--algo trpo and vpg: the policy's optimizer and the critic's, each with a state of its own
+    (opt_state = (the policy's, the critic's)), each moving its own parameters alone
+    (actor_critic_labels: a shared trunk is the policy's). TRPO's policy takes no optimizer's step."""
+
+    policy: optax.GradientTransformation
+    critic: optax.GradientTransformation
+
+    def init(self, params):
+        return self.policy.init(params), self.critic.init(params)
+
+
+def build_optimizer(config: Config, hparams: HParams, update, step_scale=1.0):
     """-> (the optimizer of (0-based) update `update`, its learning rate): make_optimizer at
     learning_rate(). Where the optimizer is built, for its state (init_train_state, update 0) and
-    for its steps (update_step): one place, so the two always agree."""
+    for its steps (update_step): one place, so the two always agree. --algo trpo and vpg: a
+    PolicyAndCritic (VPG's policy at the learning rate times its `step_scale`)."""
     lr = learning_rate(hparams, update, config.num_updates)
-    return make_optimizer(hparams, lr), lr
+    tx = make_optimizer(hparams, lr, config.optimizer)
+    if not config.critic_apart:
+        return tx, lr
+    only = lambda group, tx: optax.multi_transform({group: tx, **{other: optax.set_to_zero()  # noqa: E731
+                                                                  for other in ("actor", "critic") if other != group}},
+                                                   actor_critic_labels)
+    policy = make_optimizer(hparams, lr * step_scale, config.optimizer) if config.algo == "vpg" else optax.set_to_zero()
+    return PolicyAndCritic(only("actor", policy), only("critic", tx)), lr
 
 
 def is_critic(path) -> bool:
@@ -1821,6 +2034,7 @@ def init_train_state(key, config: Config, env: VecEnv, network: ActorCritic, hpa
         reward_stats=RunningStats.zeros(),
         discounted_return=jnp.zeros(env.num_envs, jnp.float32),
         kl_coef=jnp.asarray(hparams.kl_coef, jnp.float32),
+        step_scale=jnp.ones((), jnp.float32),
         ref_kl_coef=jnp.asarray(hparams.ref_kl_coef, jnp.float32),
         reference=reference,
         ref_hidden=initial_hidden(network, env.num_envs),
@@ -3205,8 +3419,9 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def validate_hparams(h: HParams, where: str = "") -> None:
-    """Raise ConfigError for the first out-of-range hyperparameter (`where` prefixes the message)."""
+def validate_hparams(h: HParams, where: str = "", algo: str = "ppo") -> None:
+    """Raise ConfigError for the first out-of-range hyperparameter (`where` prefixes the message) of
+    --algo `algo`."""
     def bad(message):
         raise ConfigError(where + message)
 
@@ -3227,7 +3442,11 @@ def validate_hparams(h: HParams, where: str = "") -> None:
             "off: give --clip-eps too, e.g. --clip-eps 0.2")
     if not (h.dual_clip == 0 or h.dual_clip > 1):
         bad(f"--dual-clip {h.dual_clip}: must be > 1 (the paper's 3), or 0 (off)")
-    if h.kl_target > 0 and h.kl_coef == 0:
+    if not h.max_kl > 0:
+        bad(f"--max-kl {h.max_kl}: TRPO's trust region must be > 0 (the TRPO paper's 0.01)")
+    if not h.cg_damping >= 0:
+        bad(f"--cg-damping {h.cg_damping}: must be >= 0 (0.1: Spinning Up's and Tianshou's)")
+    if h.kl_target > 0 and h.kl_coef == 0 and algo != "vpg":  # (vpg: the target of its step size)
         bad(f"--kl-target {h.kl_target} adapts beta, but --kl-coef is 0 and would stay 0: "
             "give a starting beta, e.g. --kl-coef 1")
     if not h.ref_kl_horizon > 0:
@@ -3312,7 +3531,8 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
     if config.total_timesteps < config.batch_size:
         raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
                           f"({config.batch_size} = --num-envs x --num-steps)")
-    validate_hparams(config.hparams)
+    validate_hparams(config.hparams, algo=config.algo)
+    validate_algo(config)
     if config.params_index < 0:
         raise ConfigError(f"--params-index {config.params_index}: must be >= 0")
     if check_run_dir:
@@ -3338,6 +3558,18 @@ def check_action_dist(config: Config, space) -> None:
     if config.action_dist != "gaussian" and not bounded:
         raise ConfigError(f"--action-dist {config.action_dist} maps onto the action bounds, and {config.env}'s are not "
                           "finite: use --action-dist gaussian")
+
+
+def validate_algo(config: Config) -> None:
+    """--algo's needs: A2C is one gradient step per rollout (more would be PPO without its clip); TRPO's
+    iterations."""
+    if config.algo == "a2c" and (config.update_epochs, config.num_minibatches) != (1, 1):
+        raise ConfigError(f"--algo a2c takes one gradient step per rollout: --update-epochs 1 --num-minibatches 1 "
+                          f"(given {config.update_epochs} and {config.num_minibatches}; more steps on a batch are PPO: "
+                          "--algo ppo, with --clip-eps 0 for no clip)")
+    for name in ("cg_iterations", "line_search_steps"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be a positive integer")
 
 
 def validate_estimator(config: Config) -> None:
@@ -4042,8 +4274,10 @@ def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, 
     configs = []
     for i, static in enumerate(statics):
         env = explicit.get("env", static.get("env", base.get("env", cli.env)))
+        algo = explicit.get("algo", static.get("algo", base.get("algo", cli.algo)))  # its defaults under the spec's
         check_env_id(env)
-        config = apply_overrides(default_config(env), base, f"{where} [base]", STATIC_FIELDS - RUN_FIELDS | HPARAM_FIELDS)
+        config = apply_overrides(default_config(env, algo=algo), base, f"{where} [base]",
+                                 STATIC_FIELDS - RUN_FIELDS | HPARAM_FIELDS)
         config = apply_overrides(config, static, f"{where} [[static]] {i + 1}", STATIC_FIELDS - RUN_FIELDS | HPARAM_FIELDS)
         config = apply_overrides(config, explicit, "command line")
         config = dataclasses.replace(config, **{name: getattr(cli, name) for name in SWEEP_RUN_FIELDS})
@@ -4067,11 +4301,13 @@ def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, 
     labels = [", ".join(f"{k}={format_value(v)}" for k, v in point.items()) or "base" for point in points]
     for config in configs:
         for label, hparams in zip(labels, [dataclasses.replace(config.hparams, **p) for p in points]):
-            validate_hparams(hparams, f"{where}, point {label!r} on {config.env}: ")
+            validate_hparams(hparams, f"{where}, point {label!r} on {config.env}: ", config.algo)
     rank_by = spec.get("rank_by", "episode_return")
     check_rank_by(rank_by, configs[0], f"{where}: rank_by =")
-    return Sweep(spec.get("name", name), configs, points, labels, swept,
-                 bool(spec.get("normalized_score", False)), spec_text, rank_by)
+    sweep = Sweep(spec.get("name", name), configs, points, labels, swept, bool(spec.get("normalized_score", False)),
+                  spec_text, rank_by)
+    check_score_layout(sweep, where)
+    return sweep
 
 
 def metric_names(config: Config) -> list[str]:
@@ -4226,7 +4462,9 @@ def setting_title(sweep: Sweep, i: int, wrap: int = 0) -> str:
     characters. setting_name is the full label."""
     specs = [run_spec(config) for config in sweep.configs]
     spec_set = {name for spec, config in zip(specs, sweep.configs)  # beyond the env's defaults, in some setting
-                for name, value in run_spec(default_config(config.env)).items() if spec[name] != value}
+                for name, value in run_spec(default_config(config.env, algo=config.algo)).items()
+                if spec[name] != value}
+    spec_set.add("algo")  # (the algorithm's defaults follow from it, as the env's from the env)
     differ = [name for name in specs[i] if name in spec_set - {"env"} and len({json.dumps(s[name]) for s in specs}) > 1]
     title = " ".join([f"{i + 1}: {sweep.configs[i].env}"] + [f"{name}={format_value(specs[i][name])}" for name in differ])
     return "\n".join(textwrap.wrap(title, wrap, break_on_hyphens=False)) if wrap else title
@@ -4250,10 +4488,14 @@ def point_dir(run_dir: str, i: int, p: int) -> str:
     return os.path.join(setting_dir(run_dir, i), f"point-{p}")
 
 
-def sweep_fingerprint(sweep: Sweep) -> str:
+def sweep_fingerprint(sweep: Sweep, fields: set[str] | None = None) -> str:
     """What fixes a sweep's results (every setting's run_spec, the points), as a short hash:
-    sweep.toml records it, and --resume refuses a sweep.toml that no longer gives it."""
-    what = [sweep.name, sweep.normalized_score, [run_spec(config) for config in sweep.configs], sweep.points]
+    sweep.toml records it, and --resume refuses a sweep.toml that no longer gives it. `fields`: only
+    these of each run_spec, those a sweep.toml names (one written before a field existed leaves it at
+    its default, which keeps the behaviour of its day: rule 4)."""
+    specs = [{name: value for name, value in run_spec(config).items() if fields is None or name in fields}
+             for config in sweep.configs]
+    what = [sweep.name, sweep.normalized_score, specs, sweep.points]
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -4312,20 +4554,43 @@ def results_rows(sweep: Sweep, settings: list[SweepSetting]) -> list[list[str]]:
     return rows
 
 
-def normalized_scores(settings: list[SweepSetting]) -> np.ndarray:
-    """Each run's final return as a normalised score, [points, seeds, settings]: (final - random) /
-    score_unit per static setting; a diverged run scores 0, the random policy's level (leaving it
-    out would flatter the point); the seeds that every setting has."""
+def score_layout(sweep: Sweep) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """Who is compared with whom in the normalised score -> (the methods' labels, cells[m][t]: the
+    (static setting, point) of method m on task t). A method is a point and a task a static setting;
+    where the settings run several --algo (sweeps/figure3.toml), a method is an algorithm (x point)
+    and a task an env, as in the PPO paper's Table 1 (check_score_layout: one setting per env x algo)."""
+    algos = list(dict.fromkeys(config.algo for config in sweep.configs))
+    envs = list(dict.fromkeys(config.env for config in sweep.configs))
+    setting = {(config.env, config.algo): i for i, config in enumerate(sweep.configs)}
+    if len(algos) == 1 or len(setting) != len(sweep.configs) or len(setting) != len(envs) * len(algos):
+        return sweep.labels, [[(i, p) for i in range(len(sweep.configs))] for p in range(len(sweep.points))]
+    labels = [algo if len(sweep.points) == 1 else f"{algo} {label}" for algo in algos for label in sweep.labels]
+    return labels, [[(setting[env, algo], p) for env in envs] for algo in algos for p in range(len(sweep.points))]
+
+
+def check_score_layout(sweep: Sweep, where: str) -> None:
+    """A normalised score over several --algo compares them env by env: every env once with each."""
+    several = len({config.algo for config in sweep.configs}) > 1
+    if sweep.normalized_score and several and score_layout(sweep)[0] is sweep.labels:
+        raise ConfigError(f"{where}: normalized_score over several algos compares them env by env: give each env "
+                          "exactly one [[static]] per algo (or set normalized_score = false)")
+
+
+def normalized_scores(settings: list[SweepSetting], cells: list[list[tuple[int, int]]] | None = None) -> np.ndarray:
+    """Each run's final return as a normalised score, [methods, seeds, tasks] (score_layout's cells;
+    default: the points of each static setting): (final - random) / the task's unit, its best
+    method's mean final return above random; a diverged run scores 0, the random policy's level
+    (leaving it out would flatter the method); the seeds that every setting has."""
+    if cells is None:
+        cells = [[(i, p) for i in range(len(settings))] for p in range(len(settings[0].final()))]
     seeds = min(setting.config.num_seeds for setting in settings)
-    return np.stack([np.nan_to_num((setting.final()[:, :seeds] - setting.random_return) / score_unit(setting), nan=0.0)
-                     for setting in settings], axis=-1)
-
-
-def score_unit(setting: SweepSetting) -> float:
-    """The normalised score's unit in a setting: its best point's mean final return above random."""
+    finals = [[settings[i].final()[p] for i, p in row] for row in cells]  # [methods][tasks] -> [seeds]
+    randoms = [settings[i].random_return for i, _ in cells[0]]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a point whose every seed diverged: NaN, not the best
-        return np.nanmax(np.nanmean(setting.final(), axis=1)) - setting.random_return
+        warnings.simplefilter("ignore", RuntimeWarning)  # a method whose every seed diverged: NaN, not the best
+        units = [np.nanmax([np.nanmean(row[t]) for row in finals]) - randoms[t] for t in range(len(randoms))]
+    return np.array([[np.nan_to_num((row[t][:seeds] - randoms[t]) / units[t], nan=0.0) for t in range(len(units))]
+                     for row in finals]).transpose(0, 2, 1)
 
 
 AGGREGATES = ("iqm", "median", "mean", "optimality_gap")
@@ -4421,7 +4686,8 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting], run_dir: str = "
                         [f"{v:.6g}" for v in (final_mean[p], final_std[p], iqm, low, high, auc_mean[p], auc_std[p])] +
                         [str(setting.config.num_seeds)])
         best = f"{i + 1}:{ranking[0]}" if len(sweep.configs) > 1 else str(ranking[0])
-        tied = sum(iqm == iqms[ranking[0]][0] for iqm, _, _ in iqms) - 1
+        top = iqms[ranking[0]][0]
+        tied = sum(iqm == top or (np.isnan(iqm) and np.isnan(top)) for iqm, _, _ in iqms) - 1  # (NaN: none finite)
         text.append(f"  best point's policy: {point_dir(run_dir, i, ranking[0])}/params.msgpack "
                     f"(--eval {run_dir} --point {best})"
                     + (f"; it ties with {tied} other point(s) at {iqms[ranking[0]][0]:.{digits}f}: ties rank by the "
@@ -4430,20 +4696,25 @@ def summarize_sweep(sweep: Sweep, settings: list[SweepSetting], run_dir: str = "
 
 
 def summarize_scores(sweep: Sweep, settings: list[SweepSetting], scores: np.ndarray, estimates: np.ndarray,
-                     intervals: np.ndarray) -> tuple[list[list[str]], str]:
-    """aggregates.csv rows and the printed table of the normalised scores' aggregates, best IQM first."""
+                     intervals: np.ndarray, labels: list[str] | None = None) -> tuple[list[list[str]], str]:
+    """aggregates.csv rows and the printed table of the normalised scores' aggregates, best IQM first;
+    a row per method (score_layout's `labels`; default: the points)."""
+    labels = sweep.labels if labels is None else labels
+    by_algo = labels is not sweep.labels
     rows = [["point", "label"] + [f"{name}{end}" for name in AGGREGATES for end in ("", "_ci_low", "_ci_high")]
             + ["runs", "settings"]]
-    text = [f"\nnormalised score (random policy 0, best point 1) over {len(settings)} setting(s) x {scores.shape[1]} "
+    text = [f"\nnormalised score (random policy 0, best {'algo' if by_algo else 'point'} 1) over "
+            f"{scores.shape[2]} {'env' if by_algo else 'setting'}(s) x {scores.shape[1]} "
             "seeds: rliable's aggregates, 95 % stratified-bootstrap CIs (a diverged run scores 0; optimality gap: "
             "lower is better)",
-            "  " + "  ".join(f"{name.replace('_', ' ').replace('iqm', 'IQM'):>21}" for name in AGGREGATES) + "  point"]
+            "  " + "  ".join(f"{name.replace('_', ' ').replace('iqm', 'IQM'):>21}" for name in AGGREGATES)
+            + ("  algo" if by_algo else "  point")]
     for p in best_first(estimates[:, 0]):
         cells = [f"{estimates[p, m]:.3f} " + ("[no CI: 1 seed]" if np.isnan(intervals[p, 0, m]) else
                                               f"[{intervals[p, 0, m]:.2f}, {intervals[p, 1, m]:.2f}]")
                  for m in range(len(AGGREGATES))]
-        text.append("  " + "  ".join(f"{cell:>21}" for cell in cells) + f"  {sweep.labels[p]}")
-        rows.append([str(p), sweep.labels[p]] + [f"{v:.6g}" for m in range(len(AGGREGATES))
+        text.append("  " + "  ".join(f"{cell:>21}" for cell in cells) + f"  {labels[p]}")
+        rows.append([str(p), labels[p]] + [f"{v:.6g}" for m in range(len(AGGREGATES))
                                                  for v in (estimates[p, m], intervals[p, 0, m], intervals[p, 1, m])]
                     + [str(scores.shape[1] * scores.shape[2]), str(scores.shape[2])])
     return rows, "\n".join(text)
@@ -4545,7 +4816,8 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
     """curves.png (a curve per point, one panel per static setting, one legend beside them; with
     many points only the best 3 shaded min-max over seeds, the best drawn on top, and beyond
     FEW_POINTS only each panel's best FEW_POINTS in colour, the rest faint grey), final_vs_<param>.png
-    per swept parameter, and normalized.png when the spec asks for the score. Best: by rank_by."""
+    per swept parameter, algos.png where the settings run several --algo (a panel per env, a curve per
+    algo), and normalized.png when the spec asks for the score. Best: by rank_by."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -4579,6 +4851,25 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
     fig.tight_layout()
     save_figure(fig, os.path.join(run_dir, "curves.png"), dpi=110)
 
+    labels, cells = score_layout(sweep)
+    if labels is not sweep.labels:  # several --algo: algos.png, a panel per env, a curve per algo (the paper's Fig. 3)
+        fig, axes = panel_grid(plt, len(cells[0]), 4.5, 3.6)
+        for ax, task in zip(axes, range(len(cells[0]))):
+            for m, row in enumerate(cells):
+                i, p = row[task]
+                if i < len(settings):
+                    returns = settings[i].per_point("episode_return")[p]
+                    plot_seeds(ax, settings[i].result.metrics["env_steps"][0], returns, labels[m], f"C{m}", band=True,
+                               lw=1.3, alpha=0.8, zorder=2)
+            ax.set(xlabel="environment steps (per agent)", ylabel="episode return (smoothed)")
+            ax.set_title(sweep.configs[cells[0][task][0]].env, fontsize=10)
+            ax.grid(alpha=0.3)
+        fig.legend(handles=[matplotlib.lines.Line2D([], [], color=f"C{m}", lw=1.5, label=label)
+                            for m, label in enumerate(labels)], loc="center left", bbox_to_anchor=(1.0, 0.5),
+                   fontsize=8, title="algorithm (shaded: min-max over seeds)", title_fontsize=7)
+        fig.tight_layout()
+        save_figure(fig, os.path.join(run_dir, "algos.png"), dpi=110)
+
     for name in sweep.swept:
         fig, axes = panel_grid(plt, n, 5, 3.8)
         for ax, (i, setting) in zip(axes, enumerate(settings)):
@@ -4590,28 +4881,32 @@ def plot_sweep(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> None
 
 
 def plot_scores(run_dir: str, sweep: Sweep, scores: np.ndarray, estimates: np.ndarray, intervals: np.ndarray,
-                profiled: int = 5) -> None:
-    """normalized.png: rliable's interval-estimate figure, a panel per aggregate, a row per point (the
-    best IQM at the top); performance_profile.png: the profiles of the best `profiled` points."""
+                profiled: int = 5, labels: list[str] | None = None) -> None:
+    """normalized.png: rliable's interval-estimate figure, a panel per aggregate, a row per point (or
+    score_layout's method: `labels`) (the best IQM at the top); performance_profile.png: the profiles
+    of the best `profiled` of them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from rliable import plot_utils
 
+    names = sweep.labels if labels is None else labels
     order = best_first(estimates[:, 0])[::-1]  # rliable draws its first row at the bottom
-    labels = [sweep.labels[p] for p in order]
-    colors = dict(zip(sweep.labels, plt.cm.viridis(np.linspace(0, 0.95, len(sweep.points)))))
+    labels = [names[p] for p in order]
+    colors = dict(zip(names, plt.cm.viridis(np.linspace(0, 0.95, len(names)))))
     height = max(1.5, 0.3 * len(labels))
     fig, axes = plot_utils.plot_interval_estimates(
-        {sweep.labels[p]: estimates[p] for p in order}, {sweep.labels[p]: intervals[p] for p in order},
+        {names[p]: estimates[p] for p in order}, {names[p]: intervals[p] for p in order},
         [name.replace("_", " ").replace("iqm", "IQM") for name in AGGREGATES], algorithms=labels, colors=colors,
         xlabel="", subfigure_width=3.0, row_height=height / len(labels))
     for ax in axes:  # rliable's sizes are for slides
         ax.tick_params(labelsize=8)
         ax.title.set_fontsize(10)
-    fig.text(0.4, -0.4 / height, f"normalised score (random policy 0, best point 1) over {scores.shape[2]} "
-             f"setting(s) x {scores.shape[1]} seeds, 95 % stratified-bootstrap CIs", ha="center", fontsize=9)
+    by_algo = names is not sweep.labels
+    fig.text(0.4, -0.4 / height, f"normalised score (random policy 0, best {'algo' if by_algo else 'point'} 1) over "
+             f"{scores.shape[2]} {'env' if by_algo else 'setting'}(s) x {scores.shape[1]} seeds, 95 % "
+             "stratified-bootstrap CIs", ha="center", fontsize=9)
     save_figure(fig, os.path.join(run_dir, "normalized.png"), dpi=110)
 
     best = best_first(estimates[:, 0])[:profiled]
@@ -4620,8 +4915,8 @@ def plot_scores(run_dir: str, sweep: Sweep, scores: np.ndarray, estimates: np.nd
     profiles, bands = performance_profiles(scores[best], taus)
     fig, ax = plt.subplots(figsize=(6, 4))
     plot_utils.plot_performance_profiles(
-        {sweep.labels[p]: profile for p, profile in zip(best, profiles)}, taus,
-        {sweep.labels[p]: band for p, band in zip(best, bands)}, colors=colors, ax=ax,
+        {names[p]: profile for p, profile in zip(best, profiles)}, taus,
+        {names[p]: band for p, band in zip(best, bands)}, colors=colors, ax=ax,
         xlabel=r"normalised score $\tau$", ylabel=r"fraction of runs with score > $\tau$", labelsize="medium",
         ticklabelsize="small")
     ax.legend(fontsize=7, loc="lower left")
@@ -4641,11 +4936,12 @@ def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]
         write_csv(os.path.join(run_dir, "summary.csv"), rows)
         plot(plot_sweep, run_dir, sweep, settings)
         if sweep.normalized_score and len(settings) == len(sweep.configs):
-            scores = normalized_scores(settings)
+            labels, cells = score_layout(sweep)
+            scores = normalized_scores(settings, cells)
             estimates, intervals = aggregate_scores(scores)
-            rows, score_text = summarize_scores(sweep, settings, scores, estimates, intervals)
+            rows, score_text = summarize_scores(sweep, settings, scores, estimates, intervals, labels)
             write_csv(os.path.join(run_dir, "aggregates.csv"), rows)
-            plot(plot_scores, run_dir, sweep, scores, estimates, intervals)
+            plot(plot_scores, run_dir, sweep, scores, estimates, intervals, 5, labels)
             text += "\n" + score_text
         if settings[-1].config.env == TOY_RLHF:
             text += "\n" + write_rlhf_outputs(run_dir, sweep, settings)
@@ -5893,8 +6189,8 @@ def plot_rlhf(run_dir: str, frontier: dict[str, list[dict]], endpoints: list[dic
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:
-    """Two passes: read --env first, then let tyro parse everything with that env's defaults (so
-    `--env Pendulum-v1 --help` shows Pendulum's defaults)."""
+    """Two passes: read --env and --algo first, then let tyro parse everything with their defaults (so
+    `--env Pendulum-v1 --help` shows Pendulum's defaults, and `--algo a2c --help` A2C's over them)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         check_flag_words(argv)
@@ -5902,11 +6198,13 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         fail(error)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=Config.env)
-    env_id = pre.parse_known_args(argv)[0].env
+    pre.add_argument("--algo", default=Config.algo)
+    known = pre.parse_known_args(argv)[0]
     captured = io.StringIO()  # tyro reports a bad flag in a box of many lines: made one line here
     try:
         with contextlib.redirect_stderr(captured):
-            config = tyro.cli(Config, args=argv, default=default_config(env_id), description=__doc__.split("\n\n")[0])
+            config = tyro.cli(Config, args=argv, default=default_config(known.env, algo=known.algo),
+                              description=__doc__.split("\n\n")[0])
     except SystemExit as error:
         if error.code:
             fail(ConfigError(one_line_parse_error(captured.getvalue())))
@@ -6069,8 +6367,11 @@ def resume_sweep(cli: Config, argv: Sequence[str]) -> tuple[Sweep, int]:
     given = {name: getattr(cli, name) for name in explicit_fields(argv) & RESUME_FLAGS - {"resume"}}
     sweep = reload_sweep(cli.resume, given)
     with open(path) as f:
-        recorded = re.search(r"^# fingerprint (\w+)", f.read(), re.MULTILINE)
-    if recorded is None or recorded.group(1) != sweep_fingerprint(sweep):
+        text = f.read()
+    recorded = re.search(r"^# fingerprint (\w+)", text, re.MULTILINE)
+    named = set(tomllib.loads(text).get("static", [{}])[0])  # the fields of its day (sweep_fingerprint), and
+    named |= {name for name, value in run_spec(sweep.configs[0]).items() if value is None}  # those TOML cannot hold
+    if recorded is None or recorded.group(1) != sweep_fingerprint(sweep, named):
         raise ConfigError(f"--resume {cli.resume}: {path} has changed since the sweep began (its settings or points "
                           "differ from those it ran): restore it, or start a new sweep with --sweep")
     if not os.access(cli.resume, os.W_OK):
@@ -6278,8 +6579,9 @@ PENALTY_COLLAPSED = ("kl_coef collapsed (below 1e-6): the KL per update stayed f
 
 
 def penalty_collapsed(kl_target, metrics: dict[str, np.ndarray]) -> np.ndarray:
-    """[agents] bool: PPO-Penalty's adaptive beta ended below 1e-6, a switch on that did nothing."""
-    return (np.asarray(kl_target) > 0) & (metrics["kl_coef"][:, -1] < 1e-6)
+    """[agents] bool: PPO-Penalty's adaptive beta ended below 1e-6, a switch on that did nothing (a beta that
+    started at 0: no penalty, as --algo vpg's target is its step size's)."""
+    return (np.asarray(kl_target) > 0) & (metrics["kl_coef"][:, 0] > 0) & (metrics["kl_coef"][:, -1] < 1e-6)
 
 
 def check_trackers(config: Config, argv: Sequence[str]) -> None:

@@ -989,10 +989,12 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
 
         # Adam's moments, a leaf per parameter, in the params' order.
         treedef = jax.tree.structure(params)
+        rms = config.optimizer == "rmsprop"  # A2C's: one moment, no count
         adam = adam_state(state.opt_state)
         mu, nu = ([jnp.asarray(np.asarray(leaf, np.float64)) for leaf in jax.tree.leaves(moment)]
                   for moment in (adam.mu, adam.nu))
         count, kl_coef = int(adam.count), float(state.kl_coef)
+        start = count
         lr = h.lr * ((1 - int(state.update) / config.num_updates) if h.anneal_lr else 1.0)
         stopped, history = False, []
         for order in np.asarray(orders):
@@ -1014,9 +1016,13 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
                 new_leaves = []
                 for i, (leaf, g) in enumerate(zip(jax.tree.leaves(params), grads)):
                     g = g * min(1.0, h.max_grad_norm / norm)  # global-norm clipping
-                    mu[i] = 0.9 * mu[i] + 0.1 * g
-                    nu[i] = 0.999 * nu[i] + 0.001 * g**2
-                    direction = (mu[i] / (1 - 0.9**count)) / (jnp.sqrt(nu[i] / (1 - 0.999**count)) + h.adam_eps)
+                    if rms:  # RMSprop, as PyTorch's: g / (sqrt(v) + eps), v a decaying mean of g^2
+                        nu[i] = 0.99 * nu[i] + 0.01 * g**2
+                        direction = g / (jnp.sqrt(nu[i]) + h.adam_eps)
+                    else:
+                        mu[i] = 0.9 * mu[i] + 0.1 * g
+                        nu[i] = 0.999 * nu[i] + 0.001 * g**2
+                        direction = (mu[i] / (1 - 0.9**count)) / (jnp.sqrt(nu[i] / (1 - 0.999**count)) + h.adam_eps)
                     new_leaves.append(leaf - lr * direction)
                 params = jax.tree.unflatten(treedef, new_leaves)
 
@@ -1032,7 +1038,7 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
             next_beta = beta * (1 + np.clip(ref_kl_seq / h.ref_kl_target - 1, -0.2, 0.2) * ended.sum() / h.ref_kl_horizon)
         metrics = {name: np.mean([step[name] for step in history]) for name in history[0]} | dict(
             kl=kl, kl_coef=kl_coef, ref_kl=ref_kl, ref_kl_seq=ref_kl_seq, ref_kl_coef=beta,
-            learning_rate=lr, grad_steps=count - int(adam.count),
+            learning_rate=lr, grad_steps=count - start,
             explained_variance=1 - np.var(targets - values) / np.var(targets) if critic else np.nan,
             episodes=ended.sum(),
             episode_return=flat(raw.episode_return)[ended].mean() if ended.any() else np.nan,
@@ -1043,13 +1049,17 @@ def reference_update(config: P.Config, h: P.HParams, state, raw, orders):
             **({} if discrete else {"action_clip_frac": np.mean(  # the share of components the env clipped
                 (kind.env_action(actions) < kind.low) | (kind.env_action(actions) > kind.high))}))
         return dict(params=jax.tree.map(np.asarray, params), mu=np.concatenate([np.ravel(m) for m in mu]),
-                    nu=np.concatenate([np.ravel(v) for v in nu]), count=count, kl_coef=next_kl_coef,
+                    nu=np.concatenate([np.ravel(v) for v in nu]), count=count, rms=rms, kl_coef=next_kl_coef,
                     ref_kl_coef=next_beta,
                     reward_var=reward_var, metrics=metrics, steps=history, clipped_rewards=clipped_rewards)
 
 
 def adam_state(opt_state) -> optax.ScaleByAdamState:
-    """Adam's moments and count in make_optimizer's state."""
+    """Adam's moments and count in make_optimizer's state; RMSprop's (--optimizer rmsprop) as Adam's with
+    zero first moments and no count."""
+    rms = [part for part in opt_state if isinstance(part, optax.ScaleByRmsState)]
+    if rms:
+        return optax.ScaleByAdamState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, rms[0].nu), rms[0].nu)
     return next(part for part in opt_state if isinstance(part, optax.ScaleByAdamState))
 
 
@@ -1108,7 +1118,7 @@ def assert_update_matches(after, metrics, expected, where: str):
     mu, nu = (jax.flatten_util.ravel_pytree(moment)[0] for moment in (adam.mu, adam.nu))
     np.testing.assert_allclose(mu, expected["mu"], rtol=1e-3, atol=1e-6, err_msg=f"{where}: Adam mu")
     np.testing.assert_allclose(nu, expected["nu"], rtol=1e-3, atol=1e-9, err_msg=f"{where}: Adam nu")
-    assert int(adam.count) == expected["count"], where
+    assert int(adam.count) == (0 if expected["rms"] else expected["count"]), where
     np.testing.assert_allclose(after.kl_coef, expected["kl_coef"], rtol=1e-6, err_msg=f"{where}: next beta")
     np.testing.assert_allclose(after.ref_kl_coef, expected["ref_kl_coef"], rtol=1e-6, err_msg=f"{where}: next leash beta")
     np.testing.assert_allclose(after.reward_stats.var, expected["reward_var"], rtol=1e-4, err_msg=f"{where}: reward var")
@@ -1139,6 +1149,9 @@ REFERENCE_CASES = {  # name: (env, the update's HParams); large steps and a smal
     "tanh_gaussian_state_std": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, ent_coef=0.01, kl_coef=0.5, log_std_init=-0.5),
                                 dict(action_dist="tanh_gaussian", state_std=True)),
     "beta": ("Pendulum-v1", dict(lr=1e-2, clip_eps=0.05, ent_coef=0.01, kl_coef=0.5), dict(action_dist="beta")),
+    # A2C: one RMSprop step on the whole rollout, PPO's loss at ratio 1 with the clip off (the policy gradient).
+    "a2c": ("CartPole-v1", dict(lr=1e-2, clip_eps=0.0, norm_adv=False, gae_lambda=1.0),
+            dict(algo="a2c", update_epochs=1, num_minibatches=1, optimizer="rmsprop")),
     # GRPO's recipe in miniature: critic-free group advantages, the k3 leash in the loss, on ToyRLHF's responses.
     "leash_k3_in_loss_grpo": ("ToyRLHF-v0", dict(ref_kl_coef=0.5, lr=3e-2, clip_eps=0.05, ent_coef=0.05),
                               dict(adv_estimator="grpo", ref_kl_in="loss", ref_kl_estimator="k3")),
@@ -1162,6 +1175,8 @@ def test_a_batch_starts_from_the_initial_params_each_agents_hparams_ask_for():
 
 OTHER_REFERENCE_TESTS = {  # HParams fields whose reference is a test of its own
     "target_kl": "test_target_kl_stops_midway_as_the_reference_does",
+    "max_kl": "test_trpo_step_equals_the_dense_natural_gradient_reference",
+    "cg_damping": "test_trpo_step_equals_the_dense_natural_gradient_reference",
 }
 
 
@@ -1259,6 +1274,240 @@ def test_adaptive_kl_coef_rule_on_its_boundaries():
     cases = [(0.0, 0.5), (1.999, 0.5), (2.0, 1.0), (3.0, 1.0), (4.5, 1.0), (4.501, 2.0), (100.0, 2.0)]
     for kl, factor in cases:
         assert float(P.adaptive_kl_coef(jnp.float32(1.0), jnp.float32(kl), jnp.float32(target))) == factor, kl
+
+
+# ------------------------------------------------------------------------------------------------
+# The other policy updates (--algo trpo, vpg, a2c), each against a float64 reference of its own
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.fast
+def test_adaptive_step_scale_rule_on_its_boundaries():
+    """VPG's step size: divided by 1.5 above 1.5 d_targ, multiplied by 1.5 below d_targ / 1.5, within
+    [1 / STEP_SCALE_BOUND, STEP_SCALE_BOUND]."""
+    target = 3.0  # thresholds 2 and 4.5, exact in float32
+    cases = [(0.0, 1.5), (1.999, 1.5), (2.0, 1.0), (3.0, 1.0), (4.5, 1.0), (4.501, 1 / 1.5), (100.0, 1 / 1.5)]
+    for kl, factor in cases:
+        scale = float(P.adaptive_step_scale(jnp.float32(1.0), jnp.float32(kl), jnp.float32(target)))
+        assert scale == pytest.approx(factor, rel=1e-6), kl
+    bound = P.STEP_SCALE_BOUND  # and never beyond its bounds, however long the KL stays off target
+    assert float(P.adaptive_step_scale(jnp.float32(bound / 1.2), jnp.float32(0.0), jnp.float32(target))) == bound
+    assert float(P.adaptive_step_scale(jnp.float32(1.2 / bound), jnp.float32(9.0), jnp.float32(target))) == \
+        pytest.approx(1 / bound)
+
+
+@pytest.mark.fast
+def test_conjugate_gradient_solves_a_dense_system():
+    """CG against numpy's dense solve of a symmetric positive definite system (float64), and its residual
+    the norm of b - A x; with fewer iterations than dimensions, only an approximation, truly reported."""
+    rng = np.random.default_rng(0)
+    m = rng.normal(size=(12, 12))
+    a = m @ m.T / 12 + 0.1 * np.eye(12)
+    b = rng.normal(size=12)
+    exact = np.linalg.solve(a, b)
+    matvec = lambda v: jnp.asarray(a, jnp.float32) @ v  # noqa: E731
+    x, residual = P.conjugate_gradient(matvec, jnp.asarray(b, jnp.float32), 40)
+    np.testing.assert_allclose(x, exact, rtol=1e-3, atol=1e-4)
+    assert float(residual) < 1e-3
+    x3, residual3 = P.conjugate_gradient(matvec, jnp.asarray(b, jnp.float32), 3)
+    assert np.linalg.norm(x3 - exact) > 1e-2  # not solved in 3 of 12 dimensions
+    np.testing.assert_allclose(float(residual3), np.linalg.norm(b - a @ np.asarray(x3, np.float64)), rtol=1e-3)
+    zero, residual0 = P.conjugate_gradient(matvec, jnp.zeros(12), 5)  # b = 0: x = 0, no 0 / 0
+    assert np.all(np.asarray(zero) == 0) and float(residual0) == 0
+
+
+def actor_tree(params):
+    """The policy's own layers of a params tree (actor trunk, policy head), as a params tree."""
+    return {"params": {k: v for k, v in params["params"].items() if not k.startswith(("critic", "value"))}}
+
+
+def flat_actor(params):
+    """(the policy's own parameters, float64, in one vector; its unravel into an actor_tree)."""
+    return jax.flatten_util.ravel_pytree(jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)),
+                                                      actor_tree(params)))
+
+
+def assert_actor_equals(params, expected, **tolerance):
+    for name, layer in actor_tree(params)["params"].items():
+        chex.assert_trees_all_close(layer, jax.tree.map(np.asarray, expected["params"][name]), **tolerance,
+                                    custom_message=name)
+
+
+def reference_policy_batch(config: P.Config, h: P.HParams, state, raw):
+    """What TRPO's and VPG's policy steps see, float64 and from the recorded rollout alone (CartPole, no
+    reward or observation processing): observations, actions, old logits, and the GAE advantages
+    (plain-Python GAE) normalised over the whole batch."""
+    T, N = np.shape(raw.reward)
+    flat = lambda x: np.asarray(x, np.float64).reshape(T * N, *np.shape(x)[2:])  # noqa: E731
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), state.params)
+        obs, actions = flat(raw.obs), np.asarray(raw.action).reshape(T * N)
+        old_logits, _, values = reference_network(params, obs)
+        next_values = reference_network(params, flat(raw.final_obs))[2]
+        advantages, _ = gae_reference(np.asarray(raw.reward, np.float64), np.asarray(values).reshape(T, N),
+                                      np.asarray(next_values).reshape(T, N), np.asarray(raw.terminated),
+                                      np.asarray(raw.done), float(h.gamma), float(h.gae_lambda))
+        advantages = advantages.reshape(-1)
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        return params, obs, actions, np.asarray(old_logits), advantages
+
+
+def reference_surrogate(params, obs, actions, old_logits, advantages, ent_coef):
+    """-> (mean(r A) + c2 entropy, the exact mean KL[pi_old || pi]): categorical, float64."""
+    logits = reference_network(params, obs)[0]
+    log_p = logits - jax.scipy.special.logsumexp(logits, -1, keepdims=True)
+    old_log_p = old_logits - jax.scipy.special.logsumexp(old_logits, -1, keepdims=True)
+    rows = jnp.arange(len(actions))
+    ratio = jnp.exp(log_p[rows, actions] - old_log_p[rows, actions])
+    entropy = -jnp.sum(jnp.exp(log_p) * log_p, -1).mean()
+    kl = jnp.sum(jnp.exp(old_log_p) * (old_log_p - log_p), -1)
+    return jnp.mean(ratio * advantages) + ent_coef * entropy, jnp.mean(kl)
+
+
+def reference_policy_objective(config: P.Config, hparams: P.HParams, state, raw):
+    """Under jax.enable_x64: (theta, the policy's own parameters as one vector; unravel, into an actor_tree;
+    merge(x), the whole params tree at x; objective(x) -> (surrogate, mean KL); its gradient at theta;
+    the observations; the old logits)."""
+    params, obs, actions, old_logits, advantages = reference_policy_batch(config, hparams, state, raw)
+    theta, unravel = flat_actor(params)
+    merge = lambda x: {"params": {**params["params"], **unravel(x)["params"]}}  # noqa: E731
+    objective = lambda x: reference_surrogate(merge(x), obs, actions, old_logits, advantages,  # noqa: E731
+                                              float(hparams.ent_coef))
+    return theta, unravel, merge, objective, jax.grad(lambda x: objective(x)[0])(theta), obs, old_logits
+
+
+def trpo_case(**point):
+    config = tiny_config(algo="trpo", hidden_sizes=(4,), cg_iterations=40, update_epochs=2, num_minibatches=2)
+    recorded = RecordedUpdate(config)
+    hparams = P.HParams(**point)
+    state = recorded.init(jax.random.PRNGKey(1), hparams)
+    return config, recorded, hparams, state, *recorded(state, hparams)
+
+
+@pytest.mark.parametrize("point", [dict(), dict(max_kl=0.2, cg_damping=1e-3)])
+@pytest.mark.fast
+def test_trpo_step_equals_the_dense_natural_gradient_reference(point):
+    """The TRPO step of update_step against a float64 reference that builds the Fisher matrix densely from
+    the policy's Jacobians, F = mean_s J^T (diag p - p p^T) J (a categorical's Fisher in its logits),
+    solves (F + lambda I) x = g, scales x to the KL bound and line-searches by hand: the same actor
+    params, step fraction and KL. At the TRPO paper's delta the full step is taken within the bound; at a
+    larger delta with little damping, the quadratic model underestimates the full step's KL, beyond the
+    bound though the surrogate improves, and the search backtracks."""
+    config, recorded, hparams, state, after, metrics, raw, _ = trpo_case(**point)
+    h = jax.tree.map(float, hparams)
+    with jax.enable_x64(True):
+        theta, unravel, merge, objective, g, obs, old_logits = reference_policy_objective(config, hparams, state, raw)
+        jacobian = jax.jacobian(lambda x: reference_network(merge(x), obs)[0])(theta)  # [B, A, P]
+        p = jax.nn.softmax(old_logits, -1)
+        fisher_in_logits = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]  # [B, A, A]
+        fisher = jnp.einsum("bap,bac,bcq->pq", jacobian, fisher_in_logits, jacobian) / len(obs)
+        damped = fisher + h.cg_damping * jnp.eye(len(theta))
+        x = jnp.linalg.solve(damped, g)
+        step = x * jnp.sqrt(2 * h.max_kl / (x @ damped @ x))
+        before = float(objective(theta)[0])
+        fraction, kl, tried = 0.0, 0.0, []
+        for k in range(config.line_search_steps):
+            value, kl_k = (float(v) for v in objective(theta + 0.5**k * step))
+            tried.append((value > before, kl_k <= h.max_kl))
+            if value > before and kl_k <= h.max_kl:
+                fraction, kl = 0.5**k, kl_k
+                break
+        expected = unravel(theta + fraction * step)
+    if point:  # the full step improves the surrogate, and the KL bound alone rejects it
+        assert tried[0] == (True, False)
+    assert metrics["line_search_fraction"] == fraction
+    assert (fraction == 1.0) == (not point)  # the full step at delta 0.01; a backtrack at 0.2, little damped
+    np.testing.assert_allclose(metrics["kl"], kl, rtol=1e-3)
+    assert kl <= h.max_kl
+    assert_actor_equals(after.params, expected, rtol=2e-3, atol=2e-5)
+    assert float(metrics["cg_residual"]) < 1e-2  # converged: CG's iterations exceed the 30 actor params
+
+
+@pytest.mark.fast
+def test_trpo_fits_the_critic_alone_by_adam_epochs_on_the_value_loss():
+    """TRPO's critic: PPO's epochs of minibatches on the value loss alone (clipped as --clip-vloss), Adam on
+    the critic's parameters from zero moments, against a float64 loop over the recorded sample orders;
+    the critic's fit leaves the policy where its step put it (the policy's params are the step's)."""
+    config, recorded, hparams, state, after, metrics, raw, orders = trpo_case()
+    h = jax.tree.map(float, hparams)
+    T, N = np.shape(raw.reward)
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), state.params)
+        flat = lambda x: np.asarray(x, np.float64).reshape(T * N, *np.shape(x)[2:])  # noqa: E731
+        obs = flat(raw.obs)
+        values = np.asarray(reference_network(params, obs)[2])
+        next_values = np.asarray(reference_network(params, flat(raw.final_obs))[2])
+        _, targets = gae_reference(np.asarray(raw.reward, np.float64), values.reshape(T, N), next_values.reshape(T, N),
+                                   np.asarray(raw.terminated), np.asarray(raw.done), h.gamma, h.gae_lambda)
+        targets = targets.reshape(-1)
+        critic = {k: v for k, v in params["params"].items() if k.startswith(("critic", "value"))}
+
+        def loss(critic, idx):
+            v = reference_network({"params": {**params["params"], **critic}}, obs[idx])[2]
+            moved = values[idx] + jnp.clip(v - values[idx], -h.clip_eps, h.clip_eps)
+            return 0.5 * jnp.mean(jnp.maximum((v - targets[idx]) ** 2, (moved - targets[idx]) ** 2))
+
+        mu = jax.tree.map(jnp.zeros_like, critic)
+        nu, count, lr = mu, 0, h.lr  # the first update: the learning rate not yet annealed
+        for order in np.asarray(orders):
+            for idx in order.reshape(config.num_minibatches, -1):
+                grads = jax.grad(loss)(critic, idx)
+                norm = math.sqrt(sum(float(jnp.sum(g**2)) for g in jax.tree.leaves(grads)))
+                grads = jax.tree.map(lambda g: g * min(1.0, h.max_grad_norm / norm), grads)
+                count += 1
+                mu = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, mu, grads)
+                nu = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g**2, nu, grads)
+                critic = jax.tree.map(lambda c, m, v: c - lr * (m / (1 - 0.9**count))
+                                      / (jnp.sqrt(v / (1 - 0.999**count)) + h.adam_eps), critic, mu, nu)
+    for name, value in critic.items():
+        chex.assert_trees_all_close(after.params["params"][name], jax.tree.map(np.asarray, value), rtol=1e-4, atol=1e-5)
+    assert metrics["grad_steps"] == config.update_epochs * config.num_minibatches
+    moved = [not np.allclose(after.params["params"][name]["kernel"], state.params["params"][name]["kernel"])
+             for name in ("actor_0", "critic_0")]
+    assert all(moved)
+
+
+@pytest.mark.fast
+def test_trpo_search_length_and_cg_iterations_act():
+    """--line-search-steps 1 where the search had to backtrack: no step at all (the policy stays); --cg-iterations
+    1: an unconverged natural gradient, its residual reported."""
+    point = dict(max_kl=0.2, cg_damping=1e-3)  # the backtracking case above
+    config = tiny_config(algo="trpo", hidden_sizes=(4,), cg_iterations=40, update_epochs=2, num_minibatches=2)
+    for static, check in ((dict(line_search_steps=1), "no step"), (dict(cg_iterations=1), "residual")):
+        recorded = RecordedUpdate(dataclasses.replace(config, **static))
+        hparams = P.HParams(**point)
+        state = recorded.init(jax.random.PRNGKey(1), hparams)
+        after, metrics, _, _ = recorded(state, hparams)
+        if check == "no step":
+            assert float(metrics["line_search_fraction"]) == 0.0
+            chex.assert_trees_all_equal(actor_tree(after.params), actor_tree(state.params))
+        else:
+            assert float(metrics["cg_residual"]) > 0.05
+
+
+@pytest.mark.parametrize("kl_target", [1e-6, 10.0])
+@pytest.mark.fast
+def test_vpg_step_is_one_adam_step_of_the_policy_gradient_and_adapts_its_size(kl_target):
+    """VPG's first update against float64: the policy gradient (the unclipped surrogate's gradient at the
+    rollout's params) clipped to --max-grad-norm, one Adam step from zero moments, g / (|g| + eps) times
+    the learning rate; then its KL moves the step size by the rule: a tiny target shrinks it, a huge one
+    grows it."""
+    config = tiny_config(algo="vpg", hidden_sizes=(4,))
+    recorded = RecordedUpdate(config)
+    hparams = P.HParams(lr=1e-2, kl_target=kl_target)
+    state = recorded.init(jax.random.PRNGKey(2), hparams)
+    after, metrics, raw, _ = recorded(state, hparams)
+    h = jax.tree.map(float, hparams)
+    with jax.enable_x64(True):
+        theta, unravel, _, objective, g, _, _ = reference_policy_objective(config, hparams, state, raw)
+        g = g * min(1.0, h.max_grad_norm / float(jnp.linalg.norm(g)))
+        new = theta + h.lr * g / (jnp.abs(g) + h.adam_eps)
+        kl = float(objective(new)[1])
+        expected = unravel(new)
+    assert_actor_equals(after.params, expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["kl"], kl, rtol=1e-3)
+    assert float(metrics["step_scale"]) == 1.0  # the scale this update used
+    assert float(after.step_scale) == pytest.approx(1 / 1.5 if kl_target < 1e-3 else 1.5)
 
 
 @pytest.mark.fast
@@ -1522,6 +1771,9 @@ SWITCHES = {  # name: (overrides of the base point, overrides of the flipped poi
     "clip_obs": (dict(norm_obs=True), dict(norm_obs=True, clip_obs=0.5)),
     "scale_reward": ({}, dict(scale_reward=True)),
     "clip_reward": ({}, dict(clip_reward=1.0)),
+    # TRPO's: on its own program (a third entry: the static fields of the config they act in)
+    "max_kl": ({}, dict(max_kl=0.05), dict(algo="trpo")),
+    "cg_damping": ({}, dict(cg_damping=1.0), dict(algo="trpo")),
 }
 
 
@@ -1531,17 +1783,21 @@ def test_every_hparams_field_has_a_switch_test():
 
 def test_every_switch_changes_the_first_updates():
     """A dead flag fails here: flipping each HParams switch changes the params after two updates
-    (two, because the KL leash and beta's adaptation act from the second), all in one compile."""
-    config = switch_test_config()
-    train = TrainPrograms(config)
+    (two, because the KL leash and beta's adaptation act from the second), one compile per program (TRPO's
+    fields on TRPO's)."""
+    programs = {}
     key = jax.random.PRNGKey(0)
-    for name, (base, flipped) in SWITCHES.items():
+    for name, (base, flipped, *static) in SWITCHES.items():
+        static = tuple(sorted((static[0] if static else {}).items()))
+        if static not in programs:
+            programs[static] = TrainPrograms(dataclasses.replace(switch_test_config(), **dict(static)))
+        train = programs[static]
         runs = [train(key, P.HParams(**{**SWITCH_BASE, **overrides})) for overrides in (base, flipped)]
         (state_a, metrics_a), (state_b, metrics_b) = runs
         differs = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state_a.params),
                                                             jax.tree.leaves(state_b.params))]
         assert any(differs), f"--{name.replace('_', '-')} changed nothing"
-    assert train._cache_size() == 1
+    assert all(train._cache_size() == 1 for train in programs.values())
 
 
 def test_switches_push_the_way_they_should():
@@ -2152,6 +2408,10 @@ def test_default_config_refuses_an_unknown_field_and_act_an_observation_of_anoth
     (["--env", "Catch-bsuite", "--adv-estimator", "grpo", "--num-steps", "18", "--group-size", "3"],
      ["--group-size 3", "--num-envs 4"]),
     (["--group-size", "2"], ["--group-size 2", "--adv-estimator"]),
+    (["--algo", "a2c", "--update-epochs", "4"], ["--algo a2c", "--update-epochs 1 --num-minibatches 1", "--algo ppo"]),
+    (["--algo", "trpo", "--max-kl", "0"], ["--max-kl", "> 0"]),
+    (["--algo", "trpo", "--cg-iterations", "0"], ["--cg-iterations", "positive"]),
+    (["--algo", "trpe"], ["--algo", "'trpe'", "trpo"]),
     # What the command-line parser itself refuses (a box of many lines from tyro, made one line).
     (["--lrr", "3"], ["--lrr", "did you mean --lr?", "--help"]),
     (["--num-envs", "2.5"], ["--num-envs", "'2.5'"]),
@@ -2322,6 +2582,22 @@ def test_sigterm_leaves_a_checkpoint_and_the_resumed_run_is_bit_identical(interr
     theirs = list(csv.DictReader(open(interrupted_run.straight / "metrics.csv")))
     assert list(ours[0]) == columns and len(ours) == len(theirs)
     assert all(row[name] == other[name] for row, other in zip(ours, theirs) for name in columns)
+
+
+def test_a_vpg_run_resumes_bit_identically_with_its_two_optimizers_and_step_scale(tmp_path):
+    """--algo vpg's state (the policy's and the critic's optimizer states, each over its own parameters, and
+    the adapted step_scale; TRPO's is the same but for the policy's empty one) goes through a checkpoint:
+    stopped by SIGTERM after its first chunk and resumed, the run ends as one never stopped, byte for byte."""
+    argv = ["--algo", "vpg", "--env", "Pendulum-v1", "--total-timesteps", str(4 * 64 * 12), "--num-envs", "4",
+            "--num-steps", "64", "--hidden-sizes", "16", "--checkpoint-every", "3", "--table-rows", "0"]
+    code, _ = sigterm_at("update 3/12", [*argv, "--run-dir", str(tmp_path / "stopped")])
+    assert code == 143
+    P.main(["--resume", str(tmp_path / "stopped"), "--quiet"])
+    straight = P.main([*argv, "--run-dir", str(tmp_path / "straight"), "--quiet"])
+    assert len(set(straight.metrics["step_scale"][0])) > 2  # adapted along the run
+    resumed, uninterrupted = directory_bytes(tmp_path / "stopped"), directory_bytes(tmp_path / "straight")
+    for name in ("metrics.csv", "params.msgpack", "checkpoint.msgpack"):
+        assert resumed[name] == uninterrupted[name], name
 
 
 def test_a_checkpoint_whose_optimizer_stepped_one_raveled_vector_resumes_bit_identically(interrupted_run, tmp_path):
@@ -3537,6 +3813,7 @@ cases = {  # name: (config, the points (None: a run of its seeds), --sweep-chunk
     "cnn": (P.default_config("Breakout-MinAtar", num_seeds=2), None, 0),
     "gru": (P.default_config("CartPole-v1", num_seeds=2, recurrent="gru"), None, 0),
     "rlhf_leash": (P.default_config("ToyRLHF-v0", num_seeds=2), None, 0),
+    "trpo": (P.default_config("Pendulum-v1", num_seeds=2, algo="trpo"), None, 0),
 }
 def single(tree):  # one agent's shapes
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
@@ -3592,7 +3869,7 @@ def test_every_program_lowers_for_gpu_and_tpu_as_an_accelerator_host_runs_it(tmp
     assert cpu["devices"] == 2 and "_platform_index" not in cpu["init"] + cpu["advance"] and "tf.aliasing_output" not in cpu["advance"]
     devices = {name: texts.pop("devices") for name, texts in report.items()}
     assert devices == {"run": 2, "run_envs_sharded": 8, "sweep": 8, "sweep_chunk": 4, "one_seed_continuous": 1,
-                       "cnn": 2, "gru": 2, "rlhf_leash": 2}
+                       "cnn": 2, "gru": 2, "rlhf_leash": 2, "trpo": 2}
     assert "mhlo.num_partitions = 8" in report["run_envs_sharded"]["advance"]
     manual = "sdy.manual_computation"  # a shard_map: each device steps its envs, their gradients all-reduced
     assert manual in report["run_envs_sharded"]["advance"] and manual not in report["sweep"]["advance"]
@@ -3669,6 +3946,8 @@ def env_sharded_configs(one_devices: int, gru_devices: int) -> dict[str, P.Confi
         "grpo": tiny_config(env="Catch-bsuite", num_envs=8, num_steps=18, total_timesteps=8 * 18 * 3,
                             adv_estimator="grpo", group_size=4, ref_kl_in="loss", ref_kl_estimator="full",
                             env_devices=one_devices, hparams=P.HParams(lr=1e-2, ref_kl_coef=0.1)),
+        # TRPO: its gradient, Fisher-vector products and line search as means over the devices' parts.
+        "trpo": tiny_config(num_envs=8, total_timesteps=8 * 32 * 3, algo="trpo", env_devices=one_devices),
     }
 
 
@@ -3722,7 +4001,7 @@ def test_one_agents_envs_sharded_over_devices_equal_one_device(tmp_path):
     """--env-devices: an agent's envs over 2 or 4 CPU devices (one shard_map: each device its envs'
     rollout and its part of every minibatch, the gradients averaged) learn as on one device, to float
     rounding: metrics, params and observation statistics; with --norm-obs, --scale-reward,
-    --target-kl, a GRU, GRPO's groups across devices, two agents of different hparams; a resumed sharded run is bit-identical; every
+    --target-kl, a GRU, GRPO's groups across devices, TRPO, two agents of different hparams; a resumed sharded run is bit-identical; every
     device holds the same copy of the params, Adam's state and the statistics."""
     out = tmp_path / "env_sharded.npz"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
@@ -4594,6 +4873,33 @@ def test_a_sweeps_points_are_runs_to_evaluate_load_and_start_from(tmp_path, caps
     assert sweep_outputs(changed) == sweep_outputs(sweep_dir)  # the refused resume wrote nothing
 
 
+NEWER_FIELDS = ("algo", "cg_iterations", "line_search_steps", "optimizer", "max_kl", "cg_damping")  # than some sweeps
+
+
+def test_a_sweep_begun_before_a_field_existed_resumes(tmp_path):
+    """A sweep.toml as a ppo_jax before the NEWER_FIELDS wrote it (without them, its fingerprint over the
+    fields it names): --resume continues the sweep, the new fields at their defaults (rule 4), and writes
+    what the sweep had written; a value edited in that file is still refused."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text('name = "older"\n[base]\ntotal_timesteps = 512\nhidden_sizes = [8]\n[[grid]]\nlr = [1e-3]\n')
+    run = tmp_path / "sweep"
+    P.main(["--sweep", str(spec), "--run-dir", str(run), "--quiet", "--table-rows", "0"])
+    expected = (run / "results.csv").read_text()
+    (run / "results.csv").unlink()  # stopped before its last output
+    sweep = P.reload_sweep(str(run))
+    fields = set(P.run_spec(sweep.configs[0])) - set(NEWER_FIELDS)
+    text = "\n".join(line for line in (run / "sweep.toml").read_text().splitlines()
+                     if line.split(" = ")[0] not in NEWER_FIELDS)
+    older = re.sub(r"# fingerprint \w+", f"# fingerprint {P.sweep_fingerprint(sweep, fields)}", text)
+    assert older != text and "max_kl" not in older
+    (run / "sweep.toml").write_text(older.replace("lr = [0.001]", "lr = [0.002]"))
+    with pytest.raises(SystemExit):
+        P.main(["--resume", str(run), "--quiet"])
+    (run / "sweep.toml").write_text(older)
+    P.main(["--resume", str(run), "--quiet"])
+    assert (run / "results.csv").read_text() == expected
+
+
 def test_iqm_and_its_bootstrap_interval():
     """iqm_and_ci against hand-worked values and scipy: the IQM of 8 seeds is the mean of the middle 4
     (of 3, nothing is cut); a diverged (NaN) seed is left out; the interval holds the IQM, is
@@ -4824,6 +5130,33 @@ def test_normalized_score_is_0_for_the_random_policy_and_1_for_the_best_point():
                                [[0, 0, 0], [40 / 90, 50 / 90, 45 / 90], [1, 1, 1], [0, 0, 0]], rtol=1e-6)
     np.testing.assert_allclose(P.normalized_scores([first, second])[..., 1], [[-0.25, 0.25], [1, 1], [0, 0], [0, 0]])
     assert P.normalized_scores([first, second]).shape == (4, 2, 2)
+
+
+def test_several_algos_are_scored_env_by_env_and_drawn_a_panel_per_env(monkeypatch, tmp_path):
+    """Settings that run several --algo (sweeps/figure3.toml): a method is an algorithm and a task an env,
+    each env's unit its best algorithm's mean (the PPO paper's Table 1 normalisation); algos.png has a
+    panel per env with a curve per algorithm; a spec that misses an env x algo pair cannot be scored so,
+    and says it in one line."""
+    spec = {"base": dict(total_timesteps=2048, hidden_sizes=[16], num_seeds=2), "normalized_score": True,
+            "static": [{"env": env, "algo": algo} for env in ("CartPole-v1", "Acrobot-v1") for algo in ("ppo", "a2c")]}
+    sweep = resolve(spec)
+    assert [c.num_envs for c in sweep.configs] == [4, 16, 16, 16]  # each algo's defaults over each env's
+    labels, cells = P.score_layout(sweep)
+    assert labels == ["ppo", "a2c"] and cells == [[(0, 0), (2, 0)], [(1, 0), (3, 0)]]
+    finals = {0: [[100, 300]], 1: [[200, 200]], 2: [[-400, -300]], 3: [[-500, -500]]}
+    settings = [synthetic_setting(config, finals[i], random_return=(0.0 if i < 2 else -500.0))
+                for i, config in enumerate(sweep.configs)]
+    np.testing.assert_allclose(P.normalized_scores(settings, cells),
+                               [[[0.5, 2 / 3], [1.5, 4 / 3]], [[1.0, 0.0], [1.0, 0.0]]], rtol=1e-6)  # [algos, seeds, envs]
+    figures = drawn_figures(monkeypatch, sweep, settings, tmp_path)
+    panels = figures["algos.png"].axes
+    assert [ax.get_title() for ax in panels] == ["CartPole-v1", "Acrobot-v1"]
+    assert [len(ax.get_lines()) for ax in panels] == [2, 2]
+    scores = P.normalized_scores(settings, cells)
+    rows, text = P.summarize_scores(sweep, settings, scores, *P.aggregate_scores(scores), labels)
+    assert [row[1] for row in rows[1:]] == ["ppo", "a2c"] and "best algo 1) over 2 env(s)" in text
+    with pytest.raises(P.ConfigError, match="one \\[\\[static\\]\\] per algo"):
+        resolve({**spec, "static": spec["static"][:3]})
 
 
 def test_aggregate_scores_are_rliables_with_reproducible_intervals():
@@ -5608,6 +5941,52 @@ def test_readme_envpool_commands_start_as_printed(tmp_path):
             shapes = {name: layers[name]["kernel"].shape[1:] for name in ("conv_0", "conv_1", "conv_2", "trunk_0")}
             assert shapes == {"conv_0": (8 * 8 * 4, 32), "conv_1": (4 * 4 * 32, 64), "conv_2": (3 * 3 * 64, 64),
                               "trunk_0": (7 * 7 * 64, 512)}, shapes  # each convolution's kernel over its patches
+
+
+def test_figure3_spec_is_the_papers_comparison_each_algo_at_its_defaults():
+    """sweeps/figure3.toml resolves (nothing compiled) to the paper's seven MuJoCo tasks x PPO, TRPO, VPG,
+    A2C at 1e6 steps and 3 seeds, each setting what `--env E --algo A --num-seeds 3` alone gives; PPO's
+    are sweeps/mujoco_1m.toml's (the same runs); TRPO's and VPG's differ from PPO's in their policy step
+    alone (the same batch, critic epochs, normalisations); A2C's are 16 envs x 5 steps of RMSprop.
+    sweeps/figure3_classic.toml is the same comparison on CartPole, Acrobot and Pendulum."""
+    folder = os.path.join(os.path.dirname(P.__file__), "sweeps")
+    classic = resolve(tomllib.loads(open(os.path.join(folder, "figure3_classic.toml")).read()))
+    assert [(c.env, c.algo) for c in classic.configs] == [(e, a) for e in ("CartPole-v1", "Acrobot-v1", "Pendulum-v1")
+                                                          for a in ("ppo", "trpo", "vpg", "a2c")]
+    assert all(c == P.default_config(c.env, algo=c.algo, num_seeds=3) for c in classic.configs)
+    pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements-envpool.txt")
+    figure3 = resolve(tomllib.loads(open(os.path.join(folder, "figure3.toml")).read()))
+    mujoco = resolve(tomllib.loads(open(os.path.join(folder, "mujoco_1m.toml")).read()))
+    envs = ["HalfCheetah", "Hopper", "InvertedDoublePendulum", "InvertedPendulum", "Reacher", "Swimmer", "Walker2d"]
+    assert [(c.env, c.algo) for c in figure3.configs] == [(f"envpool:{e}-v4", a) for e in envs
+                                                          for a in ("ppo", "trpo", "vpg", "a2c")]
+    assert figure3.normalized_score and P.score_layout(figure3)[0] == ["ppo", "trpo", "vpg", "a2c"]
+    ppo = {c.env: c for c in mujoco.configs}
+    for config in figure3.configs:
+        assert config == P.default_config(config.env, algo=config.algo, num_seeds=3, total_timesteps=1_000_000)
+        if config.algo == "ppo":
+            assert config == ppo[config.env]
+        elif config.algo in ("trpo", "vpg"):
+            same = dataclasses.replace(config, algo="ppo", hparams=dataclasses.replace(
+                config.hparams, kl_target=ppo[config.env].hparams.kl_target))
+            assert same == ppo[config.env]
+        else:
+            assert (config.num_envs, config.num_steps, config.optimizer, config.hparams.lr) == (16, 5, "rmsprop", 7e-4)
+
+
+def test_readme_algo_command_starts_as_printed(tmp_path):
+    """The README's --algo command, from its text, cut to six short updates (the flags after the printed
+    ones): TRPO runs from the CLI, every update's KL within --max-kl; `--algo a2c` brings A2C's defaults
+    over the env's."""
+    (line,) = [line for line in open(README).read().splitlines() if line.startswith("python ppo_jax.py --algo ")]
+    argv = readme_command(line.split("#")[0].strip())
+    result = P.main([*argv, "--num-envs", "4", "--num-steps", "64", "--total-timesteps", str(6 * 256), "--run-dir",
+                     str(tmp_path / "trpo"), "--quiet", "--table-rows", "0"])
+    assert result.config.algo == "trpo" and result.config.env == "Pendulum-v1"
+    assert np.all(result.metrics["kl"] <= 0.01) and np.mean(result.metrics["line_search_fraction"]) > 0  # every update
+    a2c = P.parse_config(["--algo", "a2c", "--env", "Pendulum-v1"])
+    assert (a2c.num_envs, a2c.num_steps, a2c.update_epochs, a2c.num_minibatches, a2c.optimizer, a2c.hparams.lr,
+            a2c.hparams.gamma) == (16, 5, 1, 1, "rmsprop", 7e-4, 0.95)  # Pendulum's gamma kept
 
 
 def test_envpool_specs_are_the_ppo_papers_settings_and_each_envs_defaults():
