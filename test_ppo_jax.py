@@ -1423,7 +1423,6 @@ def test_trpo_step_equals_the_dense_natural_gradient_reference(point):
     assert float(metrics["cg_residual"]) < 1e-2  # converged: CG's iterations exceed the 30 actor params
 
 
-@pytest.mark.fast
 def test_trpo_fits_the_critic_alone_by_adam_epochs_on_the_value_loss():
     """TRPO's critic: PPO's epochs of minibatches on the value loss alone (clipped as --clip-vloss), Adam on
     the critic's parameters from zero moments, against a float64 loop over the recorded sample orders;
@@ -1467,7 +1466,6 @@ def test_trpo_fits_the_critic_alone_by_adam_epochs_on_the_value_loss():
     assert all(moved)
 
 
-@pytest.mark.fast
 def test_trpo_search_length_and_cg_iterations_act():
     """--line-search-steps 1 where the search had to backtrack: no step at all (the policy stays); --cg-iterations
     1: an unconverged natural gradient, its residual reported."""
