@@ -7,6 +7,7 @@
     python bench.py --no-plain # without the plain-PPO yardstick (below)
     python bench.py --sweep-outputs 100 10 1000   # a sweep's files at scale: 100 points x 10 seeds x 1000 updates
     python bench.py --envpool  # EnvPool's envs: its own Python loop, the program's host round trip, PPO (pip install -r requirements-envpool.txt)
+    python bench.py --pbt      # population-based training's cost: the same sweep with and without its exploit steps
 
 Prints a table and writes bench.json (the figures, the machine, the versions). Each config runs in
 its own fresh process, so its compile is cold and its peak RSS its own. For each config:
@@ -453,6 +454,29 @@ def envpool_figures(repeats: int) -> dict:
     return rows
 
 
+def pbt_overhead(repeats: int) -> dict:
+    """What population-based training costs, in this process: one CartPole sweep (16 points x 2 seeds =
+    32 agents, 40 updates, chunks of 2) run with a [pbt] step every 2 updates (the host's decision from
+    the metrics, the device's gather of every agent's state, the HParams sent again) and without
+    (the same program and chunks: --pbt-interval 0), median of `repeats` runs after a warm-up."""
+    import ppo_jax
+
+    spec = {"base": {"env": "CartPole-v1", "total_timesteps": 4 * 128 * 40, "num_seeds": 2},
+            "grid": {"lr": [float(x) for x in np.geomspace(1e-5, 1e-2, 16)]}, "pbt": {"interval": 2}}
+    sweep = ppo_jax.resolve_sweep(spec, "bench", "", ppo_jax.Config(), {})
+    config = sweep.configs[0]
+    hparams = ppo_jax.stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
+    seconds = {}
+    for name in ("plain", "pbt"):
+        population = ppo_jax.Population(sweep.pbt, config, len(sweep.points), hparams) if name == "pbt" else None
+        result = ppo_jax.run_batch(config, sweep.keys(config), hparams, timed_runs=repeats, population=population)
+        seconds[name] = result.run_seconds
+    steps = config.num_updates // sweep.pbt.interval - 1
+    return {"agents": len(sweep.points) * config.num_seeds, "updates": config.num_updates, "pbt_steps": steps,
+            "plain_seconds": seconds["plain"], "pbt_seconds": seconds["pbt"], "pbt_over_plain": seconds["pbt"] / seconds["plain"],
+            "ms_per_pbt_step": 1e3 * (seconds["pbt"] - seconds["plain"]) / steps}
+
+
 def print_table(rows):
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in COLUMNS]
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
@@ -488,14 +512,16 @@ def main():
     parser.add_argument("--sweep-outputs", nargs=3, type=int, metavar=("POINTS", "SEEDS", "UPDATES"),
                         help="measure a sweep's files at this scale (a synthetic batch) and exit")
     parser.add_argument("--envpool", action="store_true", help="EnvPool's envs: its own loop, the host round trip, PPO")
+    parser.add_argument("--pbt", action="store_true", help="population-based training's cost per exploit step")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sweep_outputs:
         print(json.dumps(sweep_outputs(*args.sweep_outputs), indent=2))
         return
-    if args.envpool:
-        results = {"machine": machine(), "envpool": envpool_figures(args.repeats)}
+    if args.envpool or args.pbt:
+        results = {"machine": machine(), **({"envpool": envpool_figures(args.repeats)} if args.envpool else {}),
+                   **({"pbt": pbt_overhead(args.repeats)} if args.pbt else {})}
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
         print(f"wrote {args.out}")

@@ -33,7 +33,8 @@ Where to hack (the five rules a change must keep are in HParams' docstring):
     metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
 
 Sections: 1 HParams, Config; 2 the PPO (network, rollout, advantages, loss, update, make_train); 3 envs;
-4 running; 5 sweeps; 6 outputs; 7 evaluation; 8 RLHF's ground truth; 9 CLI; 10 speed (docs/speed.md).
+4 running; 5 sweeps (population-based training: Pbt, Population; the copy: lower_batch's copy_agents);
+6 outputs; 7 evaluation; 8 RLHF's ground truth; 9 CLI; 10 speed (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -451,10 +452,18 @@ class Config:
     """The metrics.csv column that ranks a sweep's points, higher first: its final value (the mean
     over the episodes that ended in the last 10 % of updates), IQM over seeds, in the table,
     summary.csv and the figures (e.g. gold_reward on ToyRLHF-v0). A spec may set it: rank_by = ..."""
+    pbt_interval: int | None = None
+    """Population-based training over a sweep's points (Jaderberg et al. 2017): every this many updates,
+    in each seed's population of points, the worst quarter copy a random agent of the best quarter
+    (its whole state) and perturb its explored HParams (x0.8 or x1.2, or a new draw). A spec's [pbt]
+    table gives the rest (fraction, perturb, resample, explore, rank_by: README, "Population-based
+    training"); this flag sets or overrides its interval. 0: no PBT, even where the spec has a [pbt]
+    table (the same points as a plain sweep: PBT's baseline of the same compute)."""
     point: str | None = None
     """With --eval SWEEP_DIR: the sweep's point to evaluate, by its number in results.csv's point
-    column or its label (with several static settings: S:K, setting S's point K). Every point's
-    directory, SWEEP_DIR/setting-S/point-K, is a run directory of its own."""
+    column or its label (with several static settings: S:K, setting S's point K), or best (the
+    ranking's first; a PBT sweep: each seed's best agent). Every point's directory,
+    SWEEP_DIR/setting-S/point-K, is a run directory of its own."""
     eval_every: int = 0
     """Every this many updates of a run, evaluate each seed's current policy on --eval-episodes
     complete episodes, sampled and with its mode, between chunks (chunks end where evaluations
@@ -3405,7 +3414,7 @@ DISTRIBUTED_FIELDS = ("distributed", "coordinator_address", "num_processes", "pr
 
 
 RUN_FIELDS = {  # not part of a spec: they change how a run is driven and reported, never its results
-    "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "env_devices", "compile_cache",
+    "run_dir", "table_rows", "sweep", "sweep_set", "sweep_chunk", "pbt_interval", "env_devices", "compile_cache",
     "checkpoint_every", "resume", "eval", "episodes", "point", "rank_by", "deterministic", "render", "quiet", "tensorboard", "eval_every",
     "eval_episodes", "wandb_project", "wandb_entity", "wandb_group", "exp_name",
     *DISTRIBUTED_FIELDS}
@@ -3469,7 +3478,7 @@ def check_run_dir_is_new(run_dir: str | None) -> None:
 
 
 FIELD_ZERO = {"table_rows": "no table", "sweep_chunk": "all agents at once", "checkpoint_every": "about 20 chunks",
-              "eval_every": "never",
+              "eval_every": "never", "pbt_interval": "no population-based training",
               "env_devices": "auto"}
 
 
@@ -3498,8 +3507,8 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
         raise ConfigError(f"--hidden-sizes {config.hidden_sizes}: give one or more positive widths, e.g. 64 64")
     if config.eval_episodes < 1:
         raise ConfigError(f"--eval-episodes {config.eval_episodes}: must be a positive integer")
-    for name in ("table_rows", "sweep_chunk", "checkpoint_every", "env_devices", "eval_every"):
-        if getattr(config, name) < 0:
+    for name in ("table_rows", "sweep_chunk", "checkpoint_every", "env_devices", "eval_every", "pbt_interval"):
+        if (getattr(config, name) or 0) < 0:
             raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be >= 0 (0: {FIELD_ZERO[name]})")
     if config.batch_size % config.num_minibatches:
         raise ConfigError(
@@ -3747,6 +3756,8 @@ class LoweredBatch:
     group_keys: list
     group_hparams: list
     lower_seconds: float
+    place_hparams: Callable  # host HParams leaves [size] -> per group, on its devices (as group_hparams)
+    exploit: Callable  # (a group's TrainState, parents [size]) -> each agent's state that of its parent (PBT)
 
     def groups(self, tree) -> list:  # host leaves [size, ...] -> per group, padded, on its devices (as `specs`)
         padded = jax.tree.map(lambda x: np.concatenate([x, np.repeat(x[-1:], len(self.group_keys) * self.group
@@ -3756,10 +3767,11 @@ class LoweredBatch:
             for i in range(len(self.group_keys))]
 
 
-def lower_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0) -> LoweredBatch:
+def lower_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, batched: Sequence[str] = ()) -> LoweredBatch:
     """run_batch's programs for a batch (keys [B, 2], HParams leaves [B]), jitted with their
     shardings and lowered, for this machine, or inside lowering_for(...), for the platforms named
-    there (the accelerators' branches taken)."""
+    there (the accelerators' branches taken). The HParams `batched` are an input per agent even
+    where the batch starts them equal (PBT changes them)."""
     timer = time.perf_counter()
     keys = np.asarray(keys)
     size = keys.shape[0]
@@ -3771,8 +3783,8 @@ def lower_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0) -> 
     pad = lambda x: np.concatenate([x, np.repeat(x[-1:], num_groups * group - size, axis=0)])  # noqa: E731
     # An hparam with one value across the batch is passed once, not vmapped (speed: a lax.cond on
     # an unbatched switch runs one branch; on a batched one, vmap must run both and select).
-    varies = jax.tree.map(lambda x: bool(np.any(x != x[:1])), hparams)
-    hparams = jax.tree.map(lambda x, v: pad(x) if v else x[0], hparams, varies)
+    varies = jax.tree.map(lambda x: bool(np.any(x != x[:1])), hparams).replace(**{name: True for name in batched})
+    points, hparams = hparams, jax.tree.map(lambda x, v: pad(x) if v else x[0], hparams, varies)
     keys = pad(keys)
     slice_of = lambda x, v, i: x[i * group:(i + 1) * group] if v else x  # noqa: E731
 
@@ -3795,12 +3807,22 @@ def lower_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0) -> 
     # where donating ran slower and a state's extra copy in host memory is small.
     donated = () if on_cpu() else 0
     batched, replicated = PartitionSpec("batch"), PartitionSpec()
+
+    def copy_agents(state: TrainState, parents) -> TrainState:  # PBT's exploit: a gather over the agents
+        # A child draws new randomness: a sweep's points of one seed share their keys (common random
+        # numbers), so a copy that kept its own key or its parent's would act as its parent's twin.
+        agents = jnp.arange(parents.shape[0])
+        fresh = jax.vmap(lambda key, a: jax.random.fold_in(jax.random.fold_in(key, PBT_SEED), a))(state.key, agents)
+        key = jnp.where((parents != agents)[:, None], fresh, state.key)
+        return jax.tree.map(lambda x: jnp.take(x, parents, axis=0), state).replace(key=key)
+
     env_leaves = PartitionSpec("batch", ENV_AXIS)  # [agents, envs, ...]
     state_specs = TrainState.sharding(batched, env_leaves)
     if num_devices == 1:
         # One device (the usual CPU case): a plain jit, no sharding machinery.
         init_batch = jax.jit(init_batch)
         advance_batch = jax.jit(advance_batch, donate_argnums=donated)
+        exploit = jax.jit(copy_agents)
         put = lambda x, spec: jax.device_put(x)  # noqa: E731
     else:
         mesh = Mesh(np.asarray(devices).reshape(-1, shards), ("batch", ENV_AXIS))
@@ -3814,23 +3836,34 @@ def lower_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0) -> 
         advance_batch = jax.jit(advance_batch, donate_argnums=donated,
                                 in_shardings=(named(state_specs), named(hparams_specs), named(replicated)),
                                 out_shardings=(named(state_specs), named(batched)))
+        exploit = jax.jit(copy_agents, in_shardings=(named(state_specs), named(replicated)),
+                          out_shardings=named(state_specs))
 
         def put(x, spec):  # each host supplies the shards of its own devices
             x = np.asarray(x)
             return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda index: x[index])
 
     group_keys = [put(slice_of(keys, True, i), batched) for i in range(num_groups)]
-    group_hparams = [jax.tree.map(lambda x, v: put(slice_of(x, v, i), batched if v else replicated), hparams, varies)
-                     for i in range(num_groups)]
+
+    def place_hparams(points: HParams) -> list:
+        hparams = jax.tree.map(lambda x, v: pad(np.asarray(x)) if v else np.asarray(x)[0], points, varies)
+        return [jax.tree.map(lambda x, v: put(slice_of(x, v, i), batched if v else replicated), hparams, varies)
+                for i in range(num_groups)]
+
+    def exploit_parents(state: TrainState, parents) -> TrainState:  # one group: PBT runs its population as one
+        parents = np.concatenate([parents, np.arange(size, group)]).astype(np.int32)  # the padding keeps its own
+        return exploit(state, put(parents, replicated))
+
+    group_hparams = place_hparams(points)
     with collector_paused():
         lowered_init = lower(init_batch, group_keys[0], group_hparams[0])
         lowered_advance = lower(advance_batch, lowered_init.out_info, group_hparams[0], put(np.int32(length), replicated))
     return LoweredBatch(lowered_init, lowered_advance, size, group, num_devices, put, state_specs, group_keys,
-                        group_hparams, time.perf_counter() - timer)
+                        group_hparams, time.perf_counter() - timer, place_hparams, exploit_parents)
 
 
 def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_chunk=None, timed_runs: int = 0,
-              start: Checkpoint | None = None) -> RunResult:
+              start: Checkpoint | None = None, population: Population | None = None) -> RunResult:
     """Train a batch of agents of one static config: keys [B, 2] and HParams leaves [B] are vmapped
     together. Two jitted programs (lower_batch): init, and a chunk of chunk_length(config) updates,
     which the run calls until every update is done (its state donated, on accelerators). The batch
@@ -3845,9 +3878,15 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
     after every chunk: metrics so far [B, updates_done] with env_steps, and state() fetches the
     TrainState [B] to the host. If it returns True, the run stops there. `start` continues a run
     from a checkpoint instead of init. For benchmarks: with timed_runs > 0 the whole batch runs
-    timed_runs more times after the first (a warm-up), and run_seconds is the median of those."""
-    lowered = lower_batch(config, keys, hparams, chunk_size)
+    timed_runs more times after the first (a warm-up), and run_seconds is the median of those.
+    `population`: population-based training, its exploit and explore before every chunk that begins
+    at a multiple of its interval (a resumed run redoes the step its checkpoint came before), the
+    HParams each agent trained with and whom it copied in its metrics (pbt_ columns)."""
+    lowered = lower_batch(config, keys, hparams, chunk_size, population.pbt.explore if population else ())
     size, num_groups, put = lowered.size, len(lowered.group_keys), lowered.put
+    if population and num_groups > 1:
+        raise ConfigError(f"chunk_size {chunk_size} splits the population of {size} agents: PBT copies between the "
+                          "agents of one program")
     length, replicated = chunk_length(config), PartitionSpec()
     timer = time.perf_counter()
     # Compile time: XLA compiles the init program on a second thread while this one compiles the chunk program.
@@ -3874,19 +3913,29 @@ def run_batch(config: Config, keys, hparams: HParams, chunk_size: int = 0, on_ch
             if config.env.startswith(ENVPOOL_PREFIX):
                 states = restart_envs(config, states)
         first_done = done = 0 if start is None else start.updates_done
+        if population:
+            values = population.current(metrics)
+            group_hparams = lowered.place_hparams(population.with_values(hparams, values))
+        else:
+            group_hparams = lowered.group_hparams
         if on_chunk:
             on_chunk(done, None if metrics is None else with_env_steps(metrics, config.batch_size),
                      lambda: host_state(states))
         stop = False
         while done < config.num_updates and not stop:
             num_active = min(length, config.num_updates - done)
+            parents = None
+            if population and done % population.pbt.interval == 0 and done:  # exploit and explore
+                parents, values = population.step(done, metrics, values)
+                states[0] = lowered.exploit(states[0], parents)
+                group_hparams = lowered.place_hparams(population.with_values(hparams, values))
             parts = []
             for i in range(num_groups):
                 active = put(np.int32(num_active), replicated)
-                states[i], chunk_metrics = call_interruptibly(advance_to_host, states[i], lowered.group_hparams[i],
-                                                              active)
+                states[i], chunk_metrics = call_interruptibly(advance_to_host, states[i], group_hparams[i], active)
                 parts.append(chunk_metrics)
             new = jax.tree.map(lambda *p: np.concatenate(p)[:size, :num_active], *parts)
+            new |= population.columns(values, parents, num_active) if population else {}
             if metrics is not None:  # (an older checkpoint's lack metrics added since: NaN before the resume)
                 metrics = {name: np.concatenate([metrics.get(name, np.full((size, done), np.nan, np.float32)),
                                                  new[name]], 1) for name in new}
@@ -4160,6 +4209,7 @@ class Sweep:
     normalized_score: bool
     spec_text: str
     rank_by: str = "episode_return"  # the metric that ranks the points (Config.rank_by)
+    pbt: Pbt | None = None  # population-based training over the points ([pbt], --pbt-interval)
 
     def hparams(self, config: Config) -> list[HParams]:
         return [dataclasses.replace(config.hparams, **point) for point in self.points]
@@ -4229,28 +4279,36 @@ def sample_random(spec: dict[str, Any], where: str) -> list[dict[str, Any]]:
     if not isinstance(count, int) or count < 1:
         raise ConfigError(f"{where}: count = {count!r}: give the number of random points, e.g. count = 16")
     rng = np.random.default_rng(seed)
-    samplers = {}
-    for name, dist in spec.items():
+    for name in spec:
         if name not in HPARAM_FIELDS:
             raise ConfigError(f"{where}: {name!r} is not an HParams field; known: {', '.join(sorted(HPARAM_FIELDS))}")
-        if not (isinstance(dist, dict) and len(dist) == 1 and set(dist) <= {"log_uniform", "uniform", "choice"}):
-            raise ConfigError(f"{where}: {name} needs one of {{ log_uniform = [lo, hi] }}, "
-                              "{ uniform = [lo, hi] }, { choice = [...] }")
-        (kind, args), = dist.items()
-        if kind == "choice":
-            if not isinstance(args, list) or not args:
-                raise ConfigError(f"{where}: {name}.choice needs a non-empty list")
-            samplers[name] = lambda args=args: args[int(rng.integers(len(args)))]
-            continue
-        if not (isinstance(args, list) and len(args) == 2 and all(isinstance(a, int | float) for a in args)
-                and args[0] < args[1] and (kind == "uniform" or args[0] > 0)):
-            raise ConfigError(f"{where}: {name}.{kind} needs [lo, hi] with lo < hi" +
-                              (" and lo > 0" if kind == "log_uniform" else ""))
-        lo, hi = args
-        samplers[name] = ((lambda lo=lo, hi=hi: float(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
-                          if kind == "log_uniform" else (lambda lo=lo, hi=hi: float(rng.uniform(lo, hi))))
-    return [{name: coerce(name, draw(), getattr(HParams(), name), where) for name, draw in samplers.items()}
-            for _ in range(count)]
+    draws = {name: distribution(name, dist, where) for name, dist in spec.items()}
+    return [{name: coerce(name, draw(kind, args, rng), getattr(HParams(), name), where)
+             for name, (kind, args) in draws.items()} for _ in range(count)]
+
+
+def distribution(name: str, dist, where: str) -> tuple[str, list]:
+    """A spec's { log_uniform = [lo, hi] }, { uniform = [lo, hi] } or { choice = [...] }, checked -> (kind, args)."""
+    if not (isinstance(dist, dict) and len(dist) == 1 and set(dist) <= {"log_uniform", "uniform", "choice"}):
+        raise ConfigError(f"{where}: {name} needs one of {{ log_uniform = [lo, hi] }}, "
+                          "{ uniform = [lo, hi] }, { choice = [...] }")
+    (kind, args), = dist.items()
+    if kind == "choice":
+        if not isinstance(args, list) or not args:
+            raise ConfigError(f"{where}: {name}.choice needs a non-empty list")
+    elif not (isinstance(args, list) and len(args) == 2 and all(isinstance(a, int | float) for a in args)
+              and args[0] < args[1] and (kind == "uniform" or args[0] > 0)):
+        raise ConfigError(f"{where}: {name}.{kind} needs [lo, hi] with lo < hi" +
+                          (" and lo > 0" if kind == "log_uniform" else ""))
+    return kind, list(args)
+
+
+def draw(kind: str, args: list, rng: np.random.Generator):
+    """One value of a distribution() (random search's points, PBT's resampling)."""
+    if kind == "choice":
+        return args[int(rng.integers(len(args)))]
+    lo, hi = args
+    return float(np.exp(rng.uniform(np.log(lo), np.log(hi)))) if kind == "log_uniform" else float(rng.uniform(lo, hi))
 
 
 def format_value(value) -> str:
@@ -4263,7 +4321,7 @@ def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, 
     """Turn a parsed spec into configs and points. Precedence, lowest first: the env's defaults,
     the spec's [base], its [[static]] entry, then the flags given on the command line."""
     where = f"--sweep {name}"
-    known = {"name", "normalized_score", "rank_by", "base", "grid", "random", "static"}
+    known = {"name", "normalized_score", "rank_by", "base", "grid", "random", "static", "pbt"}
     for key in spec:
         if key not in known:
             raise ConfigError(f"{where}: unknown top-level key {key!r}; known: {', '.join(sorted(known))}")
@@ -4304,8 +4362,12 @@ def resolve_sweep(spec: dict[str, Any], name: str, spec_text: str, cli: Config, 
             validate_hparams(hparams, f"{where}, point {label!r} on {config.env}: ", config.algo)
     rank_by = spec.get("rank_by", "episode_return")
     check_rank_by(rank_by, configs[0], f"{where}: rank_by =")
+    pbt = None
+    if cli.pbt_interval != 0 and ("pbt" in spec or cli.pbt_interval):  # (--pbt-interval 0: none; None: the spec's)
+        table = {**spec.get("pbt", {}), **({"interval": cli.pbt_interval} if cli.pbt_interval else {})}
+        pbt, configs = resolve_pbt(table, where, points, swept, spec.get("random", {}), configs, rank_by)
     sweep = Sweep(spec.get("name", name), configs, points, labels, swept, bool(spec.get("normalized_score", False)),
-                  spec_text, rank_by)
+                  spec_text, rank_by, pbt)
     check_score_layout(sweep, where)
     return sweep
 
@@ -4371,6 +4433,187 @@ def load_sweep(cli: Config, explicit: dict[str, Any]) -> Sweep:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"--sweep {cli.sweep}: not valid TOML ({error})") from None
     return resolve_sweep(spec, os.path.splitext(os.path.basename(cli.sweep))[0], text, cli, explicit)
+
+
+# --- population-based training (Jaderberg et al. 2017): a sweep's points as a population ---------
+
+
+PBT_KEYS = ("interval", "fraction", "perturb", "resample", "explore", "rank_by", "distributions")
+
+
+PBT_SEED = 0x9B7  # the exploit and explore draws' seed, with the run's --seed (new randomness gets a constant of its own)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pbt:
+    """A sweep's [pbt] table. Each seed s is a population of its own: seed s of every point. Every
+    `interval` updates, in each population ranked by `rank_by` over the interval, the worst `fraction`
+    each copy a random agent of the best `fraction` (exploit: its whole TrainState, but for a random
+    key of its own) and then change each `explore`d HParam (explore): with probability `resample` a new draw
+    from its distribution (the spec's [random] one, else the grid's values), otherwise the parent's
+    value times a factor of `perturb` (a value the field does not take keeps the parent's)."""
+
+    interval: int
+    fraction: float = 0.25  # truncation selection (Jaderberg et al.: the bottom 20-25 % copy the top); at least 1
+    perturb: tuple[float, ...] = (0.8, 1.2)  # Jaderberg et al.'s factors
+    resample: float = 0.25  # Ray Tune's resample_probability
+    explore: tuple[str, ...] = ()  # default: the swept HParams that are numbers
+    rank_by: str = "episode_return"  # default: the sweep's
+    distributions: tuple[tuple[str, str, tuple], ...] = ()  # (field, log_uniform|uniform|choice, its arguments)
+
+    def columns(self) -> list[str]:  # each agent's metrics.csv: the values it trained with, whom it copied
+        return [f"pbt_{name}" for name in self.explore] + ["pbt_parent"]
+
+    def toml(self) -> list[str]:  # sweep.toml's [pbt] table, everything resolved
+        lines = ["[pbt]"] + [f"{name} = {toml_value(getattr(self, name))}"
+                             for name in ("interval", "fraction", "perturb", "resample", "explore", "rank_by")]
+        return lines + ["[pbt.distributions]"] + [f"{name} = {{ {kind} = {toml_value(list(args))} }}"
+                                                  for name, kind, args in self.distributions]
+
+
+def resolve_pbt(table: dict[str, Any], where: str, points: list[dict[str, Any]], swept: list[str],
+                random_spec: dict[str, Any], configs: list[Config], rank_by: str) -> tuple[Pbt, list[Config]]:
+    """A spec's [pbt] (with --pbt-interval's interval) checked against its sweep -> (Pbt, the configs
+    with chunks that end where PBT steps: --checkpoint-every, else the largest divisor of the interval
+    (and of --eval-every) no longer than the default chunk). Each problem: one line, before compiling."""
+    where = f"{where} [pbt]"
+    if not isinstance(table, dict) or set(table) - set(PBT_KEYS):
+        raise ConfigError(f"{where}: a table of {', '.join(PBT_KEYS)}")
+    number = lambda value: isinstance(value, int | float) and not isinstance(value, bool)  # noqa: E731
+    interval = table.get("interval")
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise ConfigError(f"{where}: interval = {interval!r}: give the updates between exploit steps, e.g. "
+                          "interval = 10 (or --pbt-interval 10)")
+    if len(points) < 2:
+        raise ConfigError(f"{where}: a population of one point: give a [[grid]] or [random] of several points "
+                          "(each seed's population is every point's agent of that seed)")
+    fraction = table.get("fraction", Pbt.fraction)
+    if not number(fraction) or not 0 < fraction <= 0.5:
+        raise ConfigError(f"{where}: fraction = {fraction!r}: give more than 0 and at most 0.5 (the worst fraction "
+                          "of a population copy the best fraction; at least one agent)")
+    perturb = table.get("perturb", list(Pbt.perturb))
+    if not isinstance(perturb, list) or not perturb or not all(number(f) and f > 0 for f in perturb):
+        raise ConfigError(f"{where}: perturb = {perturb!r}: give positive factors, e.g. perturb = [0.8, 1.2]")
+    resample = table.get("resample", Pbt.resample)
+    if not number(resample) or not 0 <= resample <= 1:
+        raise ConfigError(f"{where}: resample = {resample!r}: a probability, 0 to 1")
+    explore = table.get("explore", [name for name in swept if not isinstance(getattr(HParams(), name), bool)])
+    if not isinstance(explore, list) or not all(isinstance(name, str) for name in explore):
+        raise ConfigError(f"{where}: explore = {explore!r}: a list of HParams fields, e.g. explore = [\"lr\"]")
+    for name in explore:
+        if name in STATIC_FIELDS:
+            raise ConfigError(f"{where}: explore {name!r} is static (it shapes the compiled program, so it cannot "
+                              "change while the population trains): explore HParams fields")
+        if name not in HPARAM_FIELDS:
+            raise ConfigError(f"{where}: explore {name!r} is not an HParams field; known: {', '.join(sorted(HPARAM_FIELDS))}")
+        if isinstance(getattr(HParams(), name), bool):
+            raise ConfigError(f"{where}: explore {name!r} is an on/off switch: PBT perturbs numbers")
+    if not explore:
+        raise ConfigError(f"{where}: nothing to explore: the points differ in no number; give explore = [\"lr\", ...]")
+    given = table.get("distributions", {})
+    if not isinstance(given, dict) or set(given) - set(explore):
+        raise ConfigError(f"{where}: distributions: a table of the explored fields' distributions, "
+                          "e.g. lr = { log_uniform = [1e-4, 1e-2] }")
+    distributions = []
+    for name in explore:
+        if name in given or name in random_spec:
+            kind, args = distribution(name, given.get(name, random_spec.get(name)), f"{where} distributions")
+        else:  # the grid's values of the field (the base's where a point leaves it)
+            kind, args = "choice", sorted({float(point.get(name, getattr(configs[0].hparams, name))) for point in points})
+        distributions.append((name, kind, tuple(args)))
+    rank_by = table.get("rank_by", rank_by)
+    check_rank_by(rank_by, configs[0], f"{where}: rank_by =")
+    chunked = []
+    for config in configs:
+        agents = len(points) * config.num_seeds
+        if interval >= config.num_updates:
+            raise ConfigError(f"{where}: interval = {interval} is not below {config.env}'s {config.num_updates} "
+                              "updates: no exploit step would happen; give a shorter interval")
+        if config.checkpoint_every and interval % config.checkpoint_every:
+            raise ConfigError(f"--checkpoint-every {config.checkpoint_every} does not divide [pbt] interval = "
+                              f"{interval}: chunks end where PBT steps; give a divisor of it")
+        if config.sweep_chunk and config.sweep_chunk < agents:
+            raise ConfigError(f"--sweep-chunk {config.sweep_chunk} splits the population of {agents} agents: PBT "
+                              "copies between the agents of one program; drop --sweep-chunk")
+        if config.env.startswith(ENVPOOL_PREFIX):
+            raise ConfigError(f"{where}: {config.env}'s envs live in EnvPool's C++ pool, outside the program: an "
+                              "agent's episodes cannot be copied to another; PBT needs a JAX env")
+        common = math.gcd(interval, config.eval_every) if config.eval_every else interval
+        every = config.checkpoint_every or max(d for d in range(1, min(common, chunk_length(config)) + 1)
+                                               if common % d == 0)
+        chunked.append(dataclasses.replace(config, checkpoint_every=every))
+    pbt = Pbt(interval, float(fraction), tuple(float(f) for f in perturb), float(resample), tuple(explore), rank_by,
+              tuple(distributions))
+    return pbt, chunked
+
+
+class Population:
+    """PBT's decisions over one static setting's batch (agents point-major: a = p * seeds + s): whom each
+    agent copies and the HParams it goes on with. Made on the host from the metrics every process
+    holds (so every process decides alike) with numpy's generator seeded by the run's seed, the seed
+    and the update (so a resumed sweep decides as it would have); the copy is a gather on the device
+    (LoweredBatch.exploit)."""
+
+    def __init__(self, pbt: Pbt, config: Config, points: int, hparams: HParams):
+        self.pbt, self.config, self.points, self.seeds = pbt, config, points, config.num_seeds
+        self.initial = {name: np.asarray(getattr(hparams, name), np.float32) for name in pbt.explore}  # [agents]
+        self.draws = {name: (kind, list(args)) for name, kind, args in pbt.distributions}
+        self.copies = max(1, int(pbt.fraction * points))  # per population and step (at most half: fraction <= 0.5)
+
+    def current(self, metrics: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """The explored HParams of the last update run (metrics.csv's pbt_ columns), or the initial ones."""
+        if metrics is None:
+            return dict(self.initial)
+        return {name: np.asarray(metrics[f"pbt_{name}"][:, -1], np.float32) for name in self.pbt.explore}
+
+    def scores(self, metrics: dict[str, np.ndarray], done: int) -> np.ndarray:
+        """[agents]: rank_by's mean over the interval's updates that have it; -inf for an agent with none,
+        or whose losses went non-finite (it is replaced first)."""
+        recent = slice(done - self.pbt.interval, done)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # no value in the interval: NaN
+            score = np.nanmean(metrics[self.pbt.rank_by][:, recent], axis=1)
+        diverged = np.any([~np.isfinite(metrics[name][:, recent]).all(axis=1) for name in guarded_metrics(self.config)
+                           if name in metrics], axis=0)
+        return np.where(np.isfinite(score) & ~diverged, score, -np.inf)
+
+    def step(self, done: int, metrics: dict[str, np.ndarray], values: dict[str, np.ndarray]):
+        """Exploit and explore after `done` updates -> (parents [agents]: the agent each copies, itself
+        if none; the explored HParams from now on)."""
+        score, n = self.scores(metrics, done), self.copies
+        parents, values = np.arange(self.points * self.seeds), {name: v.copy() for name, v in values.items()}
+        for s in range(self.seeds):
+            agents = np.arange(self.points) * self.seeds + s
+            order = agents[np.argsort(-score[agents], kind="stable")]  # best first; ties: the lower point
+            rng = np.random.default_rng([PBT_SEED, self.config.seed, s, done])
+            for child in np.sort(order[-n:]):
+                parents[child] = parent = order[int(rng.integers(n))]
+                for name in self.pbt.explore:
+                    values[name][child] = self.explored(name, float(values[name][parent]), rng)
+        return parents, values
+
+    def explored(self, name: str, value: float, rng: np.random.Generator) -> float:
+        resampled = rng.random() < self.pbt.resample
+        factor = self.pbt.perturb[int(rng.integers(len(self.pbt.perturb)))]
+        new = float(draw(*self.draws[name], rng)) if resampled else value * factor
+        try:  # e.g. gamma above 1: the parent's value
+            validate_hparams(dataclasses.replace(self.config.hparams, **{name: new}), "", self.config.algo)
+        except ConfigError:
+            return value
+        return float(np.float32(new))
+
+    def columns(self, values: dict[str, np.ndarray], parents: np.ndarray | None, updates: int) -> dict[str, np.ndarray]:
+        """A chunk's pbt_ columns [agents, updates]: the values each agent trained with, and the point whose
+        state it began the update from (its own but at the first update after a copy)."""
+        own = np.arange(self.points * self.seeds) // self.seeds
+        parent = np.repeat(own[:, None], updates, axis=1).astype(np.float32)
+        if parents is not None:
+            parent[:, 0] = parents // self.seeds
+        return {**{f"pbt_{name}": np.repeat(value[:, None], updates, axis=1) for name, value in values.items()},
+                "pbt_parent": parent}
+
+    def with_values(self, hparams: HParams, values: dict[str, np.ndarray]) -> HParams:
+        return hparams.replace(**{name: values[name] for name in self.pbt.explore})
 
 
 def random_policy_return(config: Config, num_envs: int = 64, seed: int = 0) -> float:
@@ -4495,7 +4738,7 @@ def sweep_fingerprint(sweep: Sweep, fields: set[str] | None = None) -> str:
     its default, which keeps the behaviour of its day: rule 4)."""
     specs = [{name: value for name, value in run_spec(config).items() if fields is None or name in fields}
              for config in sweep.configs]
-    what = [sweep.name, sweep.normalized_score, specs, sweep.points]
+    what = [sweep.name, sweep.normalized_score, specs, sweep.points] + ([dataclasses.asdict(sweep.pbt)] if sweep.pbt else [])
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -4530,6 +4773,8 @@ def resolved_sweep_toml(sweep: Sweep, source: str) -> str:
         lines.append(f"[[grid]]  # {label}")
         lines.extend(f"{name} = [{toml_value(value)}]" for name, value in point.items())
         lines.append("")
+    if sweep.pbt:
+        lines.extend(sweep.pbt.toml() + [""])
     lines.append("# The spec as given:")
     lines.extend(f"# {line}" for line in sweep.spec_text.splitlines())
     return "\n".join(lines) + "\n"
@@ -4945,6 +5190,8 @@ def write_sweep_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]
             text += "\n" + score_text
         if settings[-1].config.env == TOY_RLHF:
             text += "\n" + write_rlhf_outputs(run_dir, sweep, settings)
+        if sweep.pbt:
+            text += "\n" + "\n".join(write_pbt_outputs(run_dir, sweep, i, setting) for i, setting in enumerate(settings))
         write_csv(os.path.join(run_dir, "results.csv"), results_rows(sweep, settings))
     return text
 
@@ -5032,6 +5279,98 @@ def write_point_outputs(run_dir: str, sweep: Sweep, i: int, setting: SweepSettin
         write_outputs(where, config, point, f"diverged at {diverged}" if diverged else "complete", curve=False)
 
 
+def pbt_ancestry(metrics: dict[str, np.ndarray], seeds: int, agent: int) -> np.ndarray:
+    """[updates]: the agent whose metrics row holds `agent`'s ancestor at each update (itself after its
+    last copy, the agent it copied before that, and so back: the schedule its lineage trained with)."""
+    parent, updates = metrics["pbt_parent"], metrics["pbt_parent"].shape[1]
+    rows, a = np.empty(updates, int), agent
+    for u in reversed(range(updates)):
+        rows[u] = a
+        if int(parent[a, u]) != a // seeds:  # a copied at update u + 1: before it, its parent's history
+            a = int(parent[a, u]) * seeds + agent % seeds
+    return rows
+
+
+def pbt_best(sweep: Sweep, setting: SweepSetting) -> np.ndarray:
+    """[seeds]: each population's best agent at the end, by PBT's own ranking over the last interval."""
+    config, points = setting.config, len(sweep.points)
+    hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
+    scores = Population(sweep.pbt, config, points, hparams).scores(setting.result.metrics, config.num_updates)
+    per_seed = scores.reshape(points, config.num_seeds)
+    return np.argmax(per_seed, axis=0) * config.num_seeds + np.arange(config.num_seeds)
+
+
+def write_pbt_outputs(run_dir: str, sweep: Sweep, i: int, setting: SweepSetting) -> str:
+    """A finished PBT setting: lineage.csv (at every exploit step, each agent's parent, its score over
+    the interval and the HParams it went on with), pbt.png (the population's return and each explored
+    HParam over time, the best agent's lineage bold) and best/, a run directory of each seed's best
+    agent (params.msgpack; metrics.csv: its lineage's rows; config.json: seed 0's final HParams)."""
+    config, pbt, metrics = setting.config, sweep.pbt, setting.result.metrics
+    seeds, points = config.num_seeds, len(sweep.points)
+    hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(seeds)])
+    population = Population(pbt, config, points, hparams)
+    rows = [["update", "seed", "point", "parent", "score"] + list(pbt.explore)]
+    for done in range(pbt.interval, config.num_updates, pbt.interval):
+        score = population.scores(metrics, done)
+        for seed in range(seeds):
+            for p in range(points):
+                a = p * seeds + seed
+                rows.append([str(done), str(seed), str(p), str(int(metrics["pbt_parent"][a, done])), f"{score[a]:.6g}"]
+                            + [f"{metrics[f'pbt_{name}'][a, done]:.9g}" for name in pbt.explore])  # (float32: exact)
+    where = setting_dir(run_dir, i)
+    write_csv(os.path.join(where, "lineage.csv"), rows)
+    best = pbt_best(sweep, setting)
+    lineages = np.stack([pbt_ancestry(metrics, seeds, a) for a in best])  # [seeds, updates]
+    steps = np.arange(config.num_updates)
+    lineage_metrics = {name: values[lineages, steps] for name, values in metrics.items()}
+    best_dir = os.path.join(where, "best")
+    final = {name: float(metrics[f"pbt_{name}"][best[0], -1]) for name in pbt.explore}
+    best_config = dataclasses.replace(config, hparams=dataclasses.replace(config.hparams, **final), run_dir=best_dir)
+    with writing(best_dir):
+        os.makedirs(best_dir, exist_ok=True)
+    if not os.path.exists(os.path.join(best_dir, "summary.json")):
+        write_atomically(os.path.join(best_dir, "config.json"), config_json(best_config).encode())
+        result = dataclasses.replace(setting.result, state=jax.tree.map(lambda x: x[best], setting.result.state),
+                                     metrics=lineage_metrics, config=best_config,
+                                     steps_run=setting.result.steps_run // points)
+        append_metrics_csv(os.path.join(best_dir, "metrics.csv"), lineage_metrics)
+        write_outputs(best_dir, best_config, result, "complete", curve=False)
+    plot(plot_pbt, os.path.join(where, "pbt.png"), sweep, setting, lineages)
+    copies = sum(row[2] != row[3] for row in rows[1:])
+    found = ", ".join(f"{name} {format_value(value)}" for name, value in final.items())
+    return (f"PBT, setting {setting_name(sweep, i)}: {copies} copies in {len(rows[1:]) // (points * seeds)} exploit "
+            f"steps x {seeds} population(s) of {points}; seed 0's best agent (point {best[0] // seeds}) ended with "
+            f"{found}: {best_dir}/params.msgpack (--eval {run_dir} --point {i + 1}:best); lineage.csv, pbt.png")
+
+
+def plot_pbt(path: str, sweep: Sweep, setting: SweepSetting, lineages: np.ndarray) -> None:
+    """pbt.png for seed 0's population: its agents' returns and explored HParams over env steps (thin),
+    the best agent's lineage bold (the schedule the population found)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics, seeds, pbt = setting.result.metrics, setting.config.num_seeds, sweep.pbt
+    steps, names = metrics["env_steps"][0], ["episode_return", *[f"pbt_{name}" for name in pbt.explore]]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for p in range(len(sweep.points)):
+            ax.plot(steps, metrics[name][p * seeds], color="0.6", lw=0.7, alpha=0.7)
+        ax.plot(steps, metrics[name][lineages[0], np.arange(len(steps))], color="C3", lw=2.0,
+                label="the best agent's lineage")
+        values = metrics[name][::seeds]
+        if name != "episode_return" and np.nanmin(values) > 0 and np.nanmax(values) / np.nanmin(values) > 10:
+            ax.set_yscale("log")
+        ax.set(xlabel="environment steps (per agent)", ylabel=name.removeprefix("pbt_"))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, title=f"seed 0's {len(sweep.points)} agents (grey)", title_fontsize=7)
+    fig.suptitle(f"PBT on {setting.config.env}: every {pbt.interval} updates the worst {pbt.fraction:g} copy the best",
+                 fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
 def run_sweep(sweep: Sweep, run_dir: str | None, chunk_size: int = 0, quiet: bool = False,
               flags: Config | None = None, resume: str | None = None) -> tuple[list[SweepSetting], str]:
     """Each static setting: one compile, all points x seeds as one batch, checkpointed after every
@@ -5074,9 +5413,10 @@ def run_sweep(sweep: Sweep, run_dir: str | None, chunk_size: int = 0, quiet: boo
             start, evaluations = without_evaluations(start)
             recorder = SweepRecorder(sweep, i, run_dir, stop, progress, done_before, tracked,
                                      Evaluations(config, hparams, keys, evaluations))
+            population = Population(sweep.pbt, config, len(sweep.points), hparams) if sweep.pbt else None
             summaries = None
             try:
-                result = run_batch(config, keys, hparams, chunk_size, recorder, start=start)
+                result = run_batch(config, keys, hparams, chunk_size, recorder, start=start, population=population)
                 progress.end()
                 done = result.metrics["env_steps"].shape[1]
                 result = dataclasses.replace(result, metrics=recorder.evaluations.add(done, result.metrics)[0])
@@ -6411,6 +6751,17 @@ def find_point(sweep_dir: str, point: str, flag_name: str) -> str:
     i = int(settings or 1) - 1
     if not 0 <= i < len(sweep.configs):
         raise ConfigError(f"{flag_name} {point}: {sweep_dir} has static settings 1 to {len(sweep.configs)}")
+    if wanted == "best" and sweep.pbt:  # each population's best agent (write_pbt_outputs)
+        where = os.path.join(setting_dir(sweep_dir, i), "best")
+        if not os.path.exists(os.path.join(where, "params.msgpack")):
+            raise ConfigError(f"{flag_name} {point}: that setting has not finished (no {where}/params.msgpack): "
+                              f"continue the sweep with --resume {sweep_dir}")
+        return where
+    if wanted == "best":  # the ranking's first: summary.csv lists each setting's points best first
+        with contextlib.suppress(OSError):
+            with open(os.path.join(sweep_dir, "summary.csv")) as f:
+                ranked = [row["point"] for row in csv.DictReader(f) if row["static"] == setting_name(sweep, i)]
+            wanted = ranked[0] if ranked else wanted
     p = int(wanted) if wanted.isdigit() else sweep.labels.index(wanted) if wanted in sweep.labels else None
     if p is None or not 0 <= p < len(sweep.points):
         raise ConfigError(f"{flag_name} {point}: {sweep_dir} has points 0 to {len(sweep.points) - 1}, labelled "
@@ -6608,8 +6959,9 @@ def run_command(config: Config, argv: list[str]):
         eval_only = {"episodes", "point", "deterministic", "render"} & explicit_fields(argv)
         if eval_only and not config.eval:
             raise ConfigError(f"{flag(sorted(eval_only)[0])} only applies with --eval RUN_DIR")
-        if "rank_by" in explicit_fields(argv) and not (config.sweep or config.sweep_set):
-            raise ConfigError("--rank-by only applies to a sweep (--sweep or --sweep-set)")
+        for name in ("rank_by", "pbt_interval"):
+            if name in explicit_fields(argv) and not (config.sweep or config.sweep_set):
+                raise ConfigError(f"{flag(name)} only applies to a sweep (--sweep or --sweep-set)")
         if config.eval and config.resume:
             raise ConfigError("--eval and --resume: give one of them")
         if config.eval:

@@ -5200,6 +5200,264 @@ def test_aggregate_scores_are_rliables_with_reproducible_intervals():
 
 
 # ------------------------------------------------------------------------------------------------
+# Population-based training ([pbt], --pbt-interval)
+# ------------------------------------------------------------------------------------------------
+
+
+def pbt_population(explore=("lr", "gamma"), points=6, seeds=2, **table) -> P.Population:
+    """A Population over `points` x `seeds` agents of a tiny config, lr 1e-4 .. 6e-4 by point."""
+    config = tiny_config(num_seeds=seeds)
+    pbt = P.Pbt(**{"interval": 4, "explore": tuple(explore),
+                   "distributions": (("lr", "log_uniform", (1e-5, 1e-2)), ("gamma", "choice", (0.9, 0.99))), **table})
+    hparams = P.stack_hparams([config.hparams.replace(lr=1e-4 * (p + 1)) for p in range(points) for _ in range(seeds)])
+    return P.Population(pbt, config, points, hparams)
+
+
+@pytest.mark.fast
+def test_pbt_truncation_selection_and_perturbation_as_derived():
+    """Each seed's population apart: the worst `fraction` (by rank_by's mean over the interval; an
+    agent with no episode or a non-finite loss worst of all) copy one of the best `fraction`, and
+    only they change: by a factor of perturb (resample 0), a draw of the distribution (resample 1),
+    and a value the field does not take (gamma 0.99 x 1.2) keeps the parent's. Over many steps the
+    parents and factors are drawn uniformly (chi-square), the same inputs decide the same, another
+    update or seed decides anew."""
+    population = pbt_population(fraction=0.5, resample=0.0, perturb=(0.5, 2.0, 1.2))
+    agents, seeds = 12, 2
+    returns = np.array([[10.0], [1], [20], [2], [30], [3], [40], [np.nan], [50], [5], [60], [6]])  # [agents, 1]
+    metrics = {"episode_return": np.repeat(returns, 8, axis=1), **{name: np.zeros((agents, 8), np.float32)
+                                                                   for name in P.GUARDED_METRICS}}
+    metrics["policy_loss"][11, 6] = np.inf  # agent 11 (point 5, seed 1): diverged within the interval
+    values = {"lr": np.repeat(1e-4 * np.arange(1, 7), 2).astype(np.float32), "gamma": np.full(agents, 0.99, np.float32)}
+    parents, new = population.step(8, metrics, values)
+    # Seed 0 (even agents): returns 10, 20, ..., 60 by point -> points 0-2 copy points 3-5.
+    # Seed 1 (odd agents): 1, 2, 3, NaN, 5, inf loss -> points 3 (no episode) and 5 (diverged) and 0 copy 1, 2, 4.
+    for seed, children, best in ((0, [0, 1, 2], [3, 4, 5]), (1, [0, 3, 5], [1, 2, 4])):
+        for p in range(6):
+            a = p * seeds + seed
+            if p in children:
+                assert parents[a] // seeds in best and parents[a] % seeds == seed, (a, parents[a])
+                ratio = new["lr"][a] / values["lr"][parents[a]]
+                assert min(abs(ratio - f) for f in (0.5, 2.0, 1.2)) < 1e-5, ratio
+                assert new["gamma"][a] in (np.float32(0.99 * 0.5), np.float32(0.99)), new["gamma"][a]  # 1.19: not a gamma
+            else:
+                assert parents[a] == a and new["lr"][a] == values["lr"][a] and new["gamma"][a] == values["gamma"][a]
+    again = population.step(8, metrics, values)
+    assert (again[0] == parents).all() and all((again[1][k] == new[k]).all() for k in new)
+    later = [population.step(8 + 4 * k, {n: np.repeat(v[:, :1], 8 + 4 * k, axis=1) for n, v in metrics.items()}, values)
+             for k in range(1, 400)]
+    picked = np.array([[later_parents[a] // seeds for a in (0, 2, 4)] for later_parents, _ in later]).ravel()
+    counts = np.bincount(picked, minlength=6)[3:]
+    assert scipy.stats.chisquare(counts).pvalue > 1e-3, counts
+    factors = np.array([[later_values["lr"][a] / values["lr"][later_parents[a]] for a in (0, 2, 4)]
+                        for later_parents, later_values in later]).ravel()
+    counts = [np.sum(np.isclose(factors, f, rtol=1e-5)) for f in (0.5, 2.0, 1.2)]
+    assert sum(counts) == len(factors) and scipy.stats.chisquare(counts).pvalue > 1e-3, counts
+    assert len({tuple(p) for p, _ in later}) > 100  # each update draws anew
+    resampled = pbt_population(fraction=0.5, resample=1.0).step(8, metrics, values)[1]
+    for a in (0, 2, 4):
+        assert 1e-5 <= resampled["lr"][a] <= 1e-2 and resampled["gamma"][a] in (np.float32(0.9), np.float32(0.99))
+    assert not np.allclose(resampled["lr"][[0, 2, 4]], new["lr"][[0, 2, 4]])
+
+
+@pytest.mark.fast
+def test_pbt_exploit_copies_the_whole_agent():
+    """After the exploit's gather, every leaf of the child's TrainState (params, Adam's moments,
+    observation and reward statistics, PPO-Penalty's beta, its envs and episodes) is its parent's,
+    but its random key, a new one (neither its own nor its parent's: a sweep's points of one seed
+    share keys); given its parent's key and HParams, the child's next update is its parent's, to the
+    bit. The other agents are untouched."""
+    config = tiny_config(num_seeds=1, hparams=P.HParams(norm_obs=True, scale_reward=True, kl_target=0.01, kl_coef=0.5))
+    keys = np.asarray(jax.random.split(jax.random.PRNGKey(3), 4))
+    hparams = P.stack_hparams([config.hparams.replace(lr=lr) for lr in (3e-4, 1e-3, 3e-3, 1e-2)])
+    lowered = P.lower_batch(config, keys, hparams, batched=("lr",))
+    init, advance = lowered.init.compile(), lowered.advance.compile()
+    state, _ = advance(init(lowered.group_keys[0], lowered.group_hparams[0]), lowered.group_hparams[0], np.int32(2))
+    before = jax.device_get(state)
+    copied = jax.device_get(lowered.exploit(state, np.array([0, 0, 2, 3])))  # agent 1 copies agent 0
+    leaves = jax.tree_util.tree_leaves_with_path(before)
+    assert len(leaves) > 20
+    others = np.array([0, 2, 3])
+    for (path, old), new in zip(leaves, jax.tree.leaves(copied)):
+        name = jax.tree_util.keystr(path)
+        if name != ".key":
+            np.testing.assert_array_equal(new[1], old[0], err_msg=name)
+        np.testing.assert_array_equal(new[others], old[others], err_msg=name)
+    assert not np.array_equal(copied.key[1], before.key[0]) and not np.array_equal(copied.key[1], before.key[1])
+    twin = lowered.groups(copied.replace(key=copied.key[np.array([0, 0, 2, 3])]))[0]
+    same_lr = lowered.place_hparams(hparams.replace(lr=np.float32([3e-4, 3e-4, 3e-3, 1e-2])))[0]
+    after, metrics = jax.device_get(advance(twin, same_lr, np.int32(1)))
+    for name, value in metrics.items():
+        np.testing.assert_array_equal(value[1], value[0], err_msg=name)
+    for (path, new) in jax.tree_util.tree_leaves_with_path(after):
+        np.testing.assert_array_equal(new[1], new[0], err_msg=jax.tree_util.keystr(path))
+
+
+
+
+def test_pbt_lifts_a_population_of_bad_learning_rates_to_the_grids_best(tmp_path):
+    """CartPole's population of 8 learning rates, 6 of them 1000x too small: the grid's median agent
+    (the README's command with --pbt-interval 0) stays near the random policy's return; PBT's (the
+    README's command, --pbt-interval 5) ends beside the grid's best (the small learning rates train
+    on from the good agents' parameters), each exploit step logged in lineage.csv and in each
+    agent's rows (the learning rate it trained with, annealed), the best agent's lineage in best/;
+    --eval SWEEP --point 1:best evaluates each seed's best agent, and a plain sweep's best point."""
+    command = readme_command("python ppo_jax.py --sweep-set lr=1e-6")
+    assert command[-2:] == ["--pbt-interval", "5"]
+    pbt = cli([*command, "--quiet", "--run-dir", str(tmp_path / "pbt")])
+    grid = cli([*command[:-1], "0", "--quiet", "--run-dir", str(tmp_path / "grid")])  # the same points, no PBT
+    assert grid.returncode == 0 and pbt.returncode == 0, (grid.stderr[-2000:], pbt.stderr[-2000:])
+    finals = {name: np.array([float(row["final_return"]) for row in csv.DictReader(open(tmp_path / name / "results.csv"))])
+              for name in ("grid", "pbt")}
+    assert np.median(finals["grid"]) < 50 and np.median(finals["pbt"]) > 4 * np.median(finals["grid"]), finals
+    assert np.median(finals["pbt"]) > 0.8 * finals["grid"].max(), finals
+    lineage = list(csv.DictReader(open(tmp_path / "pbt" / "setting-1" / "lineage.csv")))
+    assert [int(row["update"]) for row in lineage[::16]] == list(range(5, 100, 5))  # 100 updates, a step each 5
+    assert sum(row["parent"] != row["point"] for row in lineage) == 19 * 2 * 2  # the worst 2 of 8, per seed
+    rows = list(csv.DictReader(open(tmp_path / "pbt" / "setting-1" / "point-0" / "metrics.csv")))
+    for row in lineage:  # each agent's own rows: the values it trained with, whom it copied
+        if row["point"] == "0":
+            mine = rows[int(row["update"]) * 2 + int(row["seed"])]  # the first update after the step
+            assert float(mine["pbt_parent"]) == float(row["parent"])
+            assert mine["pbt_lr"] == row["lr"]
+            annealed = float(row["lr"]) * (1 - int(row["update"]) / 100)  # CartPole's --anneal-lr
+            assert float(mine["learning_rate"]) == pytest.approx(annealed, rel=1e-6)
+    best = json.loads((tmp_path / "pbt" / "setting-1" / "best" / "config.json").read_text())
+    lineage_rows = list(csv.DictReader(open(tmp_path / "pbt" / "setting-1" / "best" / "metrics.csv")))
+    assert len(lineage_rows) == 100 * 2 and best["hparams"]["lr"] == pytest.approx(float(lineage_rows[-2]["pbt_lr"]))
+    assert float(lineage_rows[-2]["pbt_lr"]) != float(lineage_rows[0]["pbt_lr"])  # a schedule, not one value
+    assert f"--eval {tmp_path / 'pbt'} --point 1:best" in pbt.stdout
+    evaluated = cli(["--eval", str(tmp_path / "pbt"), "--point", "1:best", "--episodes", "5"])
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    returns = [float(x) for x in re.findall(r"seed \d+: ([\d.]+)", evaluated.stdout)]
+    assert len(returns) == 2 and min(returns) > 100, evaluated.stdout
+    ranked = list(csv.DictReader(open(tmp_path / "grid" / "summary.csv")))[0]["point"]
+    evaluated = cli(["--eval", str(tmp_path / "grid"), "--point", "best", "--episodes", "2"])
+    assert evaluated.returncode == 0 and f"grid/setting-1/point-{ranked} " in evaluated.stdout, evaluated.stdout
+
+
+PBT_SPEC = """
+[base]
+total_timesteps = 6144
+num_steps = 32
+hidden_sizes = [16]
+[grid]
+lr = [1e-4, 1e-3, 1e-2, 3e-2]
+[pbt]
+interval = 4
+fraction = 0.5
+explore = ["lr", "ent_coef"]
+"""
+
+
+def test_a_pbt_sweep_killed_between_and_during_intervals_resumes_to_the_same_bytes(tmp_path):
+    """PBT over 4 points x 2 seeds, chunks of 2 updates, a step every 4: SIGKILLed where a chunk ends
+    on an interval (its checkpoint holds the state before the step, which the resume redoes), inside
+    an interval, then SIGTERMed (exit 143) and resumed each time: every table, metrics.csv (the pbt_
+    columns too), params, lineage.csv and the best agents' directory byte-identical to the sweep
+    never stopped; sweep.toml's resolved [pbt] table runs the same sweep again."""
+    spec = tmp_path / "pbt.toml"
+    spec.write_text(PBT_SPEC)
+    argv = ["--sweep", str(spec), "--num-seeds", "2", "--checkpoint-every", "2"]
+    whole = cli([*argv, "--run-dir", str(tmp_path / "whole"), "--quiet"])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    stopped, resume = tmp_path / "stopped", ["--resume", str(tmp_path / "stopped")]
+    assert killed_when([*argv, "--run-dir", str(stopped)], ["update 8/48"])[0] == -9
+    assert killed_when(resume, ["update 14/48"])[0] == -9
+    assert killed_when(resume, ["update 20/48"], subprocess.signal.SIGTERM)[0] == 143
+    done = cli([*resume, "--quiet"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = cli(["--sweep", str(tmp_path / "whole" / "sweep.toml"), "--run-dir", str(tmp_path / "again"), "--quiet"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    theirs = sweep_outputs(tmp_path / "whole")  # best/'s files among them
+    theirs["lineage"] = (tmp_path / "whole" / "setting-1" / "lineage.csv").read_bytes()
+    assert len(theirs) == 2 + 5 * 3 + 1, sorted(theirs)
+    for run_dir in (stopped, tmp_path / "again"):
+        ours = {**sweep_outputs(run_dir), "lineage": (run_dir / "setting-1" / "lineage.csv").read_bytes()}
+        assert ours.keys() == theirs.keys()
+        for name in theirs:
+            assert ours[name].replace(str(run_dir).encode(), str(tmp_path / "whole").encode()) == theirs[name], \
+                (run_dir, name)
+    header = (tmp_path / "whole" / "setting-1" / "point-0" / "metrics.csv").read_text().splitlines()[0]
+    assert "pbt_ent_coef" in header and "pbt_lr" in header and "pbt_parent" in header
+
+
+PBT_SHARDED_SCRIPT = """
+import sys, numpy as np, jax
+import ppo_jax as P
+import test_ppo_jax as T
+assert jax.device_count() == 4, jax.devices()
+sweep = T.resolve(T.tomllib.loads(T.PBT_SPEC), T.PBT_SHORT)
+config = sweep.configs[0]
+hparams = P.stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
+population = P.Population(sweep.pbt, config, len(sweep.points), hparams)
+result = P.run_batch(config, sweep.keys(config), hparams, population=population)
+assert result.num_devices == jax.device_count()
+np.savez(sys.argv[1], **result.metrics)
+"""
+
+
+PBT_SHORT = ["--num-seeds", "2", "--total-timesteps", str(4 * 32 * 6), "--pbt-interval", "2"]  # (before rounding grows)
+
+
+def test_pbt_sharded_over_four_devices_equals_one_device(tmp_path):
+    """The PBT sweep's 8 agents over 4 devices (6 updates, a step every 2): the exploit's gather
+    crosses devices, and every metric (the copies and the HParams among them) equals the one-device
+    run's up to float rounding."""
+    runs = {}
+    for devices in (4, 1):
+        out = tmp_path / f"{devices}.npz"
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+               "JAX_NUM_CPU_DEVICES": str(devices), "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+        done = subprocess.run([sys.executable, "-c", PBT_SHARDED_SCRIPT.replace("== 4", f"== {devices}"), str(out)],
+                              env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[devices] = np.load(out)
+    assert (runs[1]["pbt_parent"] != np.arange(8)[:, None] // 2).sum() == 2 * 2 * 2  # 2 copies per seed and step
+    for name in runs[1]:
+        np.testing.assert_allclose(runs[4][name], runs[1][name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("spec, flags, words", [
+    ({"grid": {"lr": [1e-3]}, "pbt": {"interval": 2}}, [], ["[pbt]", "population of one"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 0}}, [], ["interval = 0", "--pbt-interval"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 500}}, [], ["interval = 500", "updates"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 5}}, ["--checkpoint-every", "2"],
+     ["--checkpoint-every 2 does not divide", "interval = 5"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 5, "explore": ["num_envs"]}}, [], ["'num_envs' is static"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 5, "explore": ["norm_adv"]}}, [], ["'norm_adv'", "switch"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 5, "fraction": 0.6}}, [], ["fraction = 0.6", "at most 0.5"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 5, "perturb": [0.8, -1]}}, [], ["perturb", "positive"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 5, "every": 3}}, [], ["[pbt]", "interval, fraction"]),
+    ({"grid": {"norm_adv": [True, False]}, "pbt": {"interval": 5}}, [], ["nothing to explore"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 5}}, ["--sweep-chunk", "2", "--num-seeds", "2"], ["--sweep-chunk 2", "population"]),
+    ({"grid": {"lr": [1e-3, 1e-2]}, "pbt": {"interval": 5}}, ["--pbt-interval", "0"], None),  # 0: a plain sweep
+])
+def test_bad_pbt_specs_are_one_line(spec, flags, words):
+    """Each bad [pbt] (or flag with it) names the key and the fix; --pbt-interval gives the interval."""
+    spec = {"base": {"total_timesteps": 128 * 40}, **spec}
+    if words is None:
+        assert resolve(spec, flags).pbt is None and resolve(spec).pbt.interval == 5
+        assert resolve(spec, ["--pbt-interval", "4"]).pbt.interval == 4
+        return
+    with pytest.raises(P.ConfigError) as error:
+        resolve(spec, flags)
+    for word in words:
+        assert word in str(error.value), (word, str(error.value))
+    assert "\n" not in str(error.value)
+
+
+def test_pbt_flag_without_a_sweep_is_one_line(tmp_path, capsys):
+    """--pbt-interval on a single run (a population of one), or -1: one line, exit 2, nothing written."""
+    for argv, words in ((["--pbt-interval", "4"], "--pbt-interval only applies to a sweep"),
+                        (["--sweep-set", "lr=1e-4,1e-3", "--pbt-interval", "-1"], "interval = -1: give the updates")):
+        with pytest.raises(SystemExit) as stop:
+            P.main([*argv, "--run-dir", str(tmp_path / "x")])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and words in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------------
 # Multi-process (--distributed): several processes on 127.0.0.1, one CPU device each
 # ------------------------------------------------------------------------------------------------
 
@@ -5278,6 +5536,27 @@ def test_distributed_sweep_equals_one_process_with_as_many_devices(tmp_path):
     assert (tmp_path / "one" / "results.csv").read_text().count("\n") == 1 + 6 and len(expected) == 2 + 3 * 3
     assert {name: data.replace(str(many).encode(), str(tmp_path / "one").encode())
             for name, data in sweep_outputs(many).items()} == expected
+
+
+def test_distributed_pbt_equals_one_process_with_as_many_devices(tmp_path):
+    """A PBT sweep (4 points x 2 seeds) over 2 processes: every process decides the same copies from
+    the gathered metrics, the exploit's gather crosses hosts, and the tables, every point's
+    metrics.csv (the pbt_ columns), params, lineage.csv and the best agents' directory are those of
+    one process with 2 devices, byte for byte."""
+    spec = tmp_path / "pbt.toml"
+    spec.write_text(PBT_SPEC)
+    argv = ["--sweep", str(spec), "--num-seeds", "2", "--quiet"]
+    ends = finish(launch([*argv, "--run-dir", str(tmp_path / "many")], 2))
+    assert [code for code, _, _ in ends] == [0, 0], [err[-2000:] for _, _, err in ends]
+    one = on_devices([*argv, "--run-dir", str(tmp_path / "one")], 2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    outputs = {}
+    for name in ("many", "one"):
+        outputs[name] = {**sweep_outputs(tmp_path / name),
+                         "lineage": (tmp_path / name / "setting-1" / "lineage.csv").read_bytes()}
+    assert len(outputs["one"]) == 2 + 5 * 3 + 1
+    assert {name: data.replace(str(tmp_path / "many").encode(), str(tmp_path / "one").encode())
+            for name, data in outputs["many"].items()} == outputs["one"]
 
 
 def test_distributed_run_stops_on_one_signal_resumes_and_equals_one_process(tmp_path):
