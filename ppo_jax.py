@@ -4451,7 +4451,9 @@ class Pbt:
     each copy a random agent of the best `fraction` (exploit: its whole TrainState, but for a random
     key of its own) and then change each `explore`d HParam (explore): with probability `resample` a new draw
     from its distribution (the spec's [random] one, else the grid's values), otherwise the parent's
-    value times a factor of `perturb` (a value the field does not take keeps the parent's)."""
+    value times a factor of `perturb` (a value the field does not take keeps the parent's). The child
+    takes its parent's envs too, mid-episode: the observation statistics, recurrent state and running
+    discounted return it takes belong to those episodes."""
 
     interval: int
     fraction: float = 0.25  # truncation selection (Jaderberg et al.: the bottom 20-25 % copy the top); at least 1
