@@ -2910,13 +2910,13 @@ class EnvPoolSuite(GymnaxEnvironment):
 
     def action_space(self, params: EnvPoolParams | None = None):
         space = self.spec((params or self.default_params).options).action_space
-        if hasattr(space, "n"):
-            return spaces.Discrete(int(space.n))
-        return spaces.Box(np.asarray(space.low, np.float32), np.asarray(space.high, np.float32), tuple(space.shape),
-                          jnp.float32)
+        return spaces.Discrete(int(space.n)) if hasattr(space, "n") else self.box(space)
 
     def observation_space(self, params: EnvPoolParams):
-        space = self.spec(params.options).observation_space
+        return self.box(self.spec(params.options).observation_space)
+
+    @staticmethod
+    def box(space) -> spaces.Box:  # a gymnasium Box as gymnax's, float32 (MuJoCo's are float64)
         return spaces.Box(np.asarray(space.low, np.float32), np.asarray(space.high, np.float32), tuple(space.shape),
                           jnp.float32)
 
