@@ -5442,6 +5442,23 @@ def test_bad_pbt_specs_are_one_line(spec, flags, words):
     assert "\n" not in str(error.value)
 
 
+def test_pbt_pendulum_spec_is_a_population_of_random_points_and_its_twin_the_same_search():
+    """sweeps/pbt_pendulum.toml resolves (nothing compiled) to Pendulum-v1's defaults, 16 random points of lr
+    x gamma x 4 seeds, a PBT step every 10 updates exploring both, resampling from the [random]
+    distributions, chunks that end on the steps; with --pbt-interval 0, the same points and no PBT (the
+    docs' baseline of the same compute)."""
+    spec = tomllib.loads(open(os.path.join(os.path.dirname(P.__file__), "sweeps", "pbt_pendulum.toml")).read())
+    pbt, plain = resolve(spec), resolve(spec, ["--pbt-interval", "0"])
+    config = pbt.configs[0]
+    assert dataclasses.replace(config, checkpoint_every=0) == P.default_config("Pendulum-v1", num_seeds=4)
+    assert len(pbt.points) == 16 and {tuple(p) for p in pbt.points} == {("lr", "gamma")}
+    assert pbt.pbt.interval == 10 and pbt.pbt.explore == ("lr", "gamma") and pbt.pbt.resample == 0.25
+    assert dict((n, (k, a)) for n, k, a in pbt.pbt.distributions) == {"lr": ("log_uniform", (1e-5, 1e-1)),
+                                                                     "gamma": ("uniform", (0.8, 0.999))}
+    assert 10 % P.chunk_length(config) == 0
+    assert plain.pbt is None and plain.points == pbt.points
+
+
 def test_pbt_flag_without_a_sweep_is_one_line(tmp_path, capsys):
     """--pbt-interval on a single run (a population of one), or -1: one line, exit 2, nothing written."""
     for argv, words in ((["--pbt-interval", "4"], "--pbt-interval only applies to a sweep"),
