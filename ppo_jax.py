@@ -4463,9 +4463,6 @@ class Pbt:
     rank_by: str = "episode_return"  # default: the sweep's
     distributions: tuple[tuple[str, str, tuple], ...] = ()  # (field, log_uniform|uniform|choice, its arguments)
 
-    def columns(self) -> list[str]:  # each agent's metrics.csv: the values it trained with, whom it copied
-        return [f"pbt_{name}" for name in self.explore] + ["pbt_parent"]
-
     def toml(self) -> list[str]:  # sweep.toml's [pbt] table, everything resolved
         lines = ["[pbt]"] + [f"{name} = {toml_value(getattr(self, name))}"
                              for name in ("interval", "fraction", "perturb", "resample", "explore", "rank_by")]
@@ -5293,15 +5290,6 @@ def pbt_ancestry(metrics: dict[str, np.ndarray], seeds: int, agent: int) -> np.n
     return rows
 
 
-def pbt_best(sweep: Sweep, setting: SweepSetting) -> np.ndarray:
-    """[seeds]: each population's best agent at the end, by PBT's own ranking over the last interval."""
-    config, points = setting.config, len(sweep.points)
-    hparams = stack_hparams([h for h in sweep.hparams(config) for _ in range(config.num_seeds)])
-    scores = Population(sweep.pbt, config, points, hparams).scores(setting.result.metrics, config.num_updates)
-    per_seed = scores.reshape(points, config.num_seeds)
-    return np.argmax(per_seed, axis=0) * config.num_seeds + np.arange(config.num_seeds)
-
-
 def write_pbt_outputs(run_dir: str, sweep: Sweep, i: int, setting: SweepSetting) -> str:
     """A finished PBT setting: lineage.csv (at every exploit step, each agent's parent, its score over
     the interval and the HParams it went on with), pbt.png (the population's return and each explored
@@ -5321,7 +5309,8 @@ def write_pbt_outputs(run_dir: str, sweep: Sweep, i: int, setting: SweepSetting)
                             + [f"{metrics[f'pbt_{name}'][a, done]:.9g}" for name in pbt.explore])  # (float32: exact)
     where = setting_dir(run_dir, i)
     write_csv(os.path.join(where, "lineage.csv"), rows)
-    best = pbt_best(sweep, setting)
+    final_scores = population.scores(metrics, config.num_updates).reshape(points, seeds)  # PBT's own ranking
+    best = np.argmax(final_scores, axis=0) * seeds + np.arange(seeds)  # [seeds]: each population's best agent
     lineages = np.stack([pbt_ancestry(metrics, seeds, a) for a in best])  # [seeds, updates]
     steps = np.arange(config.num_updates)
     lineage_metrics = {name: values[lineages, steps] for name, values in metrics.items()}
