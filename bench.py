@@ -50,6 +50,10 @@ CONFIGS = {  # name -> (Config overrides, total steps per agent, quick steps, ag
     "pendulum": (dict(env="Pendulum-v1"), 262_144, 65_536, 1),
     "cartpole_8_agents": (dict(env="CartPole-v1"), 262_144, 65_536, 8),
     "cartpole_64_agents": (dict(env="CartPole-v1"), 65_536, 16_384, 64),
+    # the loop with a language model: PPO's step on ToyRLHF at the README's size, the MLP vs the transformer
+    "rlhf_mlp": (dict(env="ToyRLHF-v0", env_params=("vocab=8", "length=6"), num_steps=12), 153_600, 38_400, 1),
+    "rlhf_transformer": (dict(env="ToyRLHF-v0", env_params=("vocab=8", "length=6"), num_steps=12,
+                              torso="transformer", shared_trunk=True), 153_600, 38_400, 1),
     # --gpu: the accelerator's headline figures (far too long for a CPU)
     "gpu_cartpole_1_agent": (dict(env="CartPole-v1"), 500_000, 131_072, 1),
     "gpu_cartpole_64_agents": (dict(env="CartPole-v1"), 500_000, 131_072, 64),

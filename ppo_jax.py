@@ -30,11 +30,13 @@ Where to hack (the five rules a change must keep are in HParams' docstring):
     carried across updates   a field of TrainState, its initial value in init_train_state (old checkpoints too)
     environments             VecEnv; adapters: BraxEnv, PlaygroundEnv, XMiniGridEnv, JumanjiEnv, CraftaxEnv,
                              EnvPoolEnv (host-stepped); ToyRLHF (RLHF in miniature; its ground truth: section 8)
+    a language model         --torso transformer: Transformer, ActorCritic.language_model; its stages (--lm-stage:
+                             pretrain, sft, reward, dpo, ipo) and the exact optima by listing responses: section 8
     metrics                  update_step's `metrics` (every key reaches metrics.csv and the trackers)
 
 Sections: 1 HParams, Config; 2 the PPO (network, rollout, advantages, loss, update, make_train); 3 envs;
 4 running; 5 sweeps (population-based training: Pbt, Population; the copy: lower_batch's copy_agents);
-6 outputs; 7 evaluation; 8 RLHF's ground truth; 9 CLI; 10 speed (docs/speed.md).
+6 outputs; 7 evaluation; 8 RLHF's ground truth, the loop with a language model; 9 CLI; 10 speed (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -298,8 +300,8 @@ class Config:
     ...), playground:NAME (MuJoCo Playground: playground:CartpoleBalance, ...), xminigrid:NAME,
     jumanji:NAME, craftax:NAME, envpool:NAME (the real MuJoCo and the ALE: envpool:Hopper-v4,
     envpool:Breakout-v5, ...; one device, one process) (each suite needs its requirements-*.txt; the
-    prefix alone lists its envs), or ToyRLHF-v0 (RLHF in miniature: --env-params mode=fluency|gold|proxy vocab length seed
-    n_labels). The defaults shown by --help are that env's defaults."""
+    prefix alone lists its envs), or ToyRLHF-v0 (RLHF in miniature: --env-params mode=fluency|gold|proxy|learned vocab length seed
+    n_labels reward_model). The defaults shown by --help are that env's defaults."""
     env_params: tuple[str, ...] = ()
     """Override the env's gymnax EnvParams, e.g. --env-params gravity=12.0 max_steps_in_episode=200
     (Brax: max_steps_in_episode, default 1000, and backend=generalized|positional|spring|mjx; EnvPool:
@@ -356,14 +358,20 @@ class Config:
     """Hidden-layer activation."""
     shared_trunk: bool = False
     """One MLP trunk feeding both the policy and the value head (default: separate actor and critic)."""
-    torso: Literal["auto", "mlp", "cnn", "nature"] = "auto"
+    torso: Literal["auto", "mlp", "cnn", "nature", "transformer"] = "auto"
     """The network's first layers. cnn: a 3x3 convolution, 16 filters, ReLU, over image observations
     (H x W x C, e.g. MinAtar's 10 x 10 x C) or a Jumanji grid (its other fields beside the conv's
     features), flattened and shared by actor and critic (the PPO paper's Atari setup), then the
     --hidden-sizes layers; nature: the Nature DQN's three convolutions (Mnih et al. 2015: 32 8x8 /4,
     64 4x4 /2, 64 3x3 /1, ReLU), as the PPO paper's Atari network, for images of 36 x 36 and more;
-    mlp: only the --hidden-sizes layers, on the flattened observation; auto: nature for EnvPool's
+    mlp: only the --hidden-sizes layers, on the flattened observation; transformer (ToyRLHF-v0): a
+    causal transformer language model over the response so far (--transformer), its last position's
+    features straight into the policy head (the next token's logits) and the value head (--shared-trunk:
+    on the same trunk, InstructGPT's; else a critic transformer of its own); auto: nature for EnvPool's
     Atari, cnn for other image observations and Snake's grid, mlp otherwise."""
+    transformer: tuple[int, int, int] = (2, 4, 64)
+    """--torso transformer: layers, attention heads, width (GPT-2's block: pre-LayerNorm, causal
+    self-attention, a 4x GELU MLP; learned token and position embeddings; heads must divide width)."""
     recurrent: Literal["none", "gru"] = "none"
     """A memory. gru: a GRU of --recurrent-size units between the torso and the --hidden-sizes
     layers, shared by actor and critic, its state reset to zero where an episode begins. The rollout
@@ -386,6 +394,29 @@ class Config:
     """The frozen reference policy of --ref-kl-coef, from this params.msgpack (default: the initial policy)."""
     params_index: int = 0
     """Which seed of a multi-seed params.msgpack --init-params and --ref-params load."""
+    lm_stage: Literal["none", "pretrain", "sft", "reward", "dpo", "ipo"] = "none"
+    """ToyRLHF-v0 with --torso transformer: instead of PPO, one stage of the language-model loop
+    (README, "The loop with a language model"), its data drawn by --seed: pretrain (maximum likelihood
+    on --lm-data responses of the language B), sft (fine-tuned on the --lm-data best of 10x as many of
+    B's by gold), reward (a Bradley-Terry reward model, its scalar the value head after the last token,
+    on --lm-data pairs sampled from --ref-params labelled by gold), dpo / ipo (Rafailov et al. 2023;
+    Azar et al. 2023: the policy from --init-params on the same pairs, reference --ref-params, one per
+    --lm-betas x --num-seeds in one program). Each writes params.msgpack (--init-params, --ref-params and
+    reward_model= read it), metrics.csv and lm.png."""
+    lm_steps: int = 2000
+    """--lm-stage: gradient steps (Adam at --lr, clipped at --max-grad-norm, the lr annealed by --anneal-lr)."""
+    lm_batch_size: int = 64
+    """--lm-stage: sequences (pairs, for reward, dpo and ipo) per gradient step."""
+    lm_data: int = 4096
+    """--lm-stage: the training set's size (sequences or pairs); a held-out set of 1024 is drawn beside it."""
+    label_scale: float = 4.0
+    """--lm-stage reward, dpo, ipo: the pairs' labels are drawn from gold's Bradley-Terry model at this scale,
+    P(y_1 preferred) = sigmoid(label_scale (gold(y_1) - gold(y_2))) (gold: standard deviation 1 under B), so
+    DPO's exact optimum is pi*_beta of label_scale x gold."""
+    label_noise: float = 0.0
+    """--lm-stage reward, dpo, ipo: the fraction of the labels then flipped at random."""
+    lm_betas: tuple[float, ...] = (0.1,)
+    """--lm-stage dpo, ipo: the KL coefficients beta trained side by side (each > 0)."""
     ref_kl_estimator: Literal["k1", "k2", "k3", "full"] = "k1"
     """The KL leash's estimate of KL[pi || pi_ref] at each sampled action (Schulman 2020, "Approximating
     KL divergence"), with log rho = log pi_ref(a|s) - log pi(a|s): k1 = -log rho, k2 = (log rho)^2 / 2,
@@ -1035,6 +1066,8 @@ class ActorCritic(nn.Module):
     state_std: bool = False  # continuous Gaussians: the std from a head of its own (--state-std)
     action_low: tuple[float, ...] = ()  # continuous: the env's action bounds (the squashed and Beta policies')
     action_high: tuple[float, ...] = ()
+    sequence: tuple[int, ...] = ()  # (vocab, length): --torso transformer over the response in the obs (ToyRLHF)
+    transformer: tuple[int, ...] = (2, 4, 64)  # its layers, heads, width (--transformer)
 
     @property
     def distribution(self) -> type:
@@ -1046,7 +1079,9 @@ class ActorCritic(nn.Module):
         return self.recurrent_size > 0
 
     @nn.compact
-    def __call__(self, obs, first=None, hidden=None) -> NetworkOutput:
+    def __call__(self, obs, first=None, hidden=None, whole: bool = False) -> NetworkOutput:
+        if self.sequence:  # --torso transformer: a language model (whole: obs are tokens [..., L], every position)
+            return self.language_model(obs, whole)
         activation = {"tanh": nn.tanh, "relu": nn.relu}[self.activation]
         if self.action_mask:  # the mask is no feature: it only masks the policy's logits
             obs, legal = obs[..., :-self.action_dim], obs[..., -self.action_dim:] > 0.5
@@ -1114,6 +1149,31 @@ class ActorCritic(nn.Module):
         return self.distribution(mean, log_std, **bounds)
 
 
+    def language_model(self, obs, whole: bool) -> NetworkOutput:
+        """--torso transformer. The input is [start, y_0, ..., y_{L-1}] (start: token id `vocab`); position t's
+        features see the start and y_<t alone (causal), so they give the logits of y_t and the value of the
+        state before it, and position L's the value of the whole response (a reward model's score). From
+        an observation (the response so far, ToyRLHF's): the current position's outputs [...]; whole=True,
+        from tokens [..., L]: every position's, dist over [..., L + 1] and value [..., L + 1], in one pass
+        (teacher forcing: pretraining, SFT, the reward model, DPO, the enumerations of section 8)."""
+        vocab, length = self.sequence
+        tokens, position = (obs, None) if whole else read_response(obs, vocab, length)
+        inputs = jnp.concatenate([jnp.full_like(tokens[..., :1], vocab), jnp.minimum(tokens, vocab)], axis=-1)
+
+        def trunk(name):  # [..., L + 1, width], or the current position's [..., width]
+            features = Transformer(vocab + 1, length + 1, *self.transformer, name=name)(inputs)
+            return features if whole else jnp.take_along_axis(features, position[..., None, None], axis=-2)[..., 0, :]
+
+        layer = lambda width, scale, name: dense(width, orthogonal(scale), name)  # noqa: E731
+        features = trunk("transformer")
+        dist = self.policy_head(features, layer, None)
+        if self.critic:
+            value = layer(1, 1.0, "value_head")(features if self.shared_trunk else trunk("critic_transformer"))[..., 0]
+        else:
+            value = jnp.zeros(features.shape[:-1], jnp.float32)
+        return NetworkOutput(dist=dist, value=value, hidden=jnp.zeros((*features.shape[:-1], 0), jnp.float32))
+
+
 class GRU(nn.Module):
     """A GRU (Cho et al., 2014; the form of cuDNN and PyTorch, the reset gate applied after the
     recurrent matmul) over a time-major sequence, its state set to zero where an episode begins:
@@ -1147,6 +1207,43 @@ class GRU(nn.Module):
             return h, h
 
         return jax.lax.scan(step, hidden, (projected, first))[1]
+
+
+def read_response(obs, vocab: int, length: int):
+    """ToyRLHF's observation [..., L * V + L] -> (tokens [..., L], `vocab` where empty; the position [...],
+    L after the last token)."""
+    slots = obs[..., :length * vocab].reshape(*obs.shape[:-1], length, vocab)
+    clock = obs[..., length * vocab:]
+    tokens = jnp.where(slots.max(-1) > 0.5, jnp.argmax(slots, -1), vocab)
+    return tokens, jnp.where(clock.max(-1) > 0.5, jnp.argmax(clock, -1), length)
+
+
+class Transformer(nn.Module):
+    """A causal (decoder-only) transformer, GPT-2's block (Radford et al. 2019): token ids [..., S] (below
+    `vocab`, S <= `length`) -> features [..., S, width]. Learned token and position embeddings; per layer
+    x += attention(LayerNorm(x)) with a causal mask, x += MLP(LayerNorm(x)) (4 x width, GELU); a final
+    LayerNorm. Weights N(0, 0.02), as GPT-2's."""
+
+    vocab: int  # token ids, the start token's included
+    length: int  # positions
+    layers: int
+    heads: int
+    width: int
+
+    @nn.compact
+    def __call__(self, tokens):
+        init = nn.initializers.normal(0.02)
+        batch_shape, size = tokens.shape[:-1], tokens.shape[-1]
+        tokens = tokens.reshape(-1, size)
+        x = nn.Embed(self.vocab, self.width, embedding_init=init, name="embed")(tokens)
+        x = x + self.param("positions", init, (self.length, self.width))[:size]
+        mask = nn.make_causal_mask(tokens)  # [B, 1, S, S]
+        for i in range(self.layers):
+            x = x + nn.MultiHeadDotProductAttention(self.heads, qkv_features=self.width, kernel_init=init,
+                                                    name=f"attention_{i}")(nn.LayerNorm(name=f"norm_{i}a")(x), mask=mask)
+            y = nn.gelu(dense(4 * self.width, init, f"mlp_{i}a")(nn.LayerNorm(name=f"norm_{i}b")(x)))
+            x = x + dense(self.width, init, f"mlp_{i}b")(y)
+        return nn.LayerNorm(name="norm")(x).reshape(*batch_shape, size, self.width)
 
 
 RECURRENT_CELLS = {"gru": GRU}  # --recurrent: each a module (size, kernel_init)(inputs [T, B, D], first, hidden)
@@ -1969,11 +2066,11 @@ def build_optimizer(config: Config, hparams: HParams, update, step_scale=1.0):
 
 def is_critic(path) -> bool:
     """Whether a parameter is the critic's alone, by its path in the params tree (a JAX key path, or
-    "/"-joined names): a module on it is named critic* or value* (ActorCritic names the critic's
+    "/"-joined names): a module on it is named critic* or value_* (ActorCritic names the critic's
     layers so; name a layer you add to the critic likewise). Loading a critic-free run's policy and
     the optimizer's parameter groups (actor_critic_labels) ask this, nowhere else."""
     names = path.split("/") if isinstance(path, str) else [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    return any(name.startswith(("critic", "value")) for name in names)
+    return any(name.startswith(("critic", "value_")) for name in names)  # (not an attention's `value`)
 
 
 def actor_critic_labels(params):
@@ -2000,7 +2097,9 @@ def make_network(config: Config, env: VecEnv) -> ActorCritic:
                        recurrent_cell=config.recurrent, critic=config.has_critic,
                        action_mask=env.action_mask_size > 0, action_nvec=env.action_nvec,
                        action_dist=config.action_dist, state_std=config.state_std,
-                       image_torso="nature" if torso == "nature" else "conv", **bounds)
+                       image_torso="nature" if torso == "nature" else "conv",
+                       sequence=env.sequence if torso == "transformer" else (),
+                       transformer=tuple(config.transformer), **bounds)
 
 
 def init_policy(key, env: VecEnv, network: ActorCritic, hparams: HParams, obs) -> Policy:
@@ -2140,7 +2239,8 @@ def read_policies(config: Config, env: VecEnv, network: ActorCritic, path: str, 
     if missing or extra:
         raise ConfigError(f"{flag} {path}: " + (another_env or (
             f"its parameters do not match this network (missing {missing[:3]}, unexpected {extra[:3]}): another "
-            "--env, or other --hidden-sizes / --shared-trunk / --recurrent than the run that saved it?")))
+            "--env, or other --hidden-sizes / --shared-trunk / --recurrent / --torso / --transformer than the run that "
+            "saved it?")))
     num_seeds = {np.shape(value)[0] if np.ndim(value) else 0 for value in found.values()}
     if len(num_seeds) != 1 or 0 in num_seeds:
         raise ConfigError(f"{flag} {path}: its entries hold different numbers of seeds {sorted(num_seeds)}: corrupt?")
@@ -2148,7 +2248,8 @@ def read_policies(config: Config, env: VecEnv, network: ActorCritic, path: str, 
         shape = tuple(np.shape(found[name])[1:])
         if shape != leaf.shape:
             raise ConfigError(f"{flag} {path}: " + (another_env or f"{name} has shape {shape}, this run's network "
-                                                    f"needs {leaf.shape} (another --env or --hidden-sizes?)"))
+                                                    f"needs {leaf.shape} (another --env, --hidden-sizes or "
+                                                    "--transformer?)"))
     arrays = {name: np.asarray(value, np.float32) for name, value in found.items()}
     return serialization.from_state_dict(template, flax.traverse_util.unflatten_dict(arrays, sep="/"))
 
@@ -2252,6 +2353,8 @@ class VecEnv:
         self.image = (0, self.obs_shape) if len(self.obs_shape) == 3 else getattr(self.env, "image_columns", None)
         self.image_by_default = len(self.obs_shape) == 3 or getattr(self.env, "image_by_default", False)
         self.default_torso = "cnn" if self.image_by_default else "mlp"  # --torso auto
+        # (vocab, length) of a response the observation holds, for --torso transformer (ToyRLHF's); (): none
+        self.sequence = getattr(self.env, "sequence", lambda params: ())(self.env_params)
         self.own_step = type(self.env).step is not GymnaxEnvironment.step
         self.episode_metrics = getattr(self.env, "episode_metrics", ())  # info entries reported where episodes end
         self.action_mask_size = getattr(self.env, "action_mask_size", 0)  # the obs's last columns: 1 = a legal action
@@ -3088,7 +3191,7 @@ def vec_env(env_id: str, num_envs: int, env_params: Sequence[str] = (), shards: 
 TOY_RLHF = "ToyRLHF-v0"
 
 
-TOY_RLHF_MODES = ("fluency", "gold", "proxy")
+TOY_RLHF_MODES = ("fluency", "gold", "proxy", "learned")  # learned: a transformer reward model (--lm-stage reward)
 
 
 @struct.dataclass
@@ -3101,12 +3204,16 @@ class ToyRLHFParams(GymnaxEnvParams):
     fluency_weight: float = struct.field(pytree_node=False, default=0.5)  # lambda of the gold reward
     repeat_penalty: float = struct.field(pytree_node=False, default=3.0)  # B's logits of repeating a token are this much lower
     max_steps_in_episode: int = struct.field(pytree_node=False, default=1 << 30)  # episodes end by termination alone
+    reward_model: str = struct.field(pytree_node=False, default="")  # mode=learned: a --lm-stage reward run's directory
     # Built by toy_rlhf_params (None until then):
     log_bigram: jax.Array | None = None  # [V + 1, V] log B(next | previous); row V: the first token
     gold_weights: jax.Array | None = None  # [V] w*: the gold value of each of the first two copies of a token
     proxy_weights: jax.Array | None = None  # [V] the reward model's value of every copy of a token
     gold_standard: jax.Array | None = None  # [2] mean and std of the raw gold reward under B
     proxy_standard: jax.Array | None = None  # [2] the same for the proxy
+    rm_network: Any = struct.field(pytree_node=False, default=None)  # mode=learned: the reward model's network,
+    rm_params: Any = None  # its params (one model's),
+    rm_standard: jax.Array | None = None  # [2] and its score's mean and std under B
 
 
 @struct.dataclass
@@ -3148,6 +3255,13 @@ def proxy_reward(tokens, p: ToyRLHFParams, standard=None):
     return (bag_of_tokens(tokens, p.vocab) @ p.proxy_weights - mean) / std
 
 
+def learned_reward(tokens, p: ToyRLHFParams):
+    """mode=learned: the reward model's score of whole responses [..., L] (its value head after the last
+    token), standardised under B."""
+    mean, std = p.rm_standard
+    return (p.rm_network.apply(p.rm_params, tokens, whole=True).value[..., -1] - mean) / std
+
+
 def proxy_token_reward(weight, p: ToyRLHFParams):
     """A token's share of the standardised proxy reward, from its weight (or the weights [V]): a
     response's proxy reward is the sum over its tokens (the env pays it token by token; the exact
@@ -3184,8 +3298,16 @@ def fit_bradley_terry(features, labels, l2: float = 1e-2, iterations: int = 30) 
 STANDARDISING_SAMPLES = 1 << 14  # responses from B over which the gold and proxy rewards are standardised
 
 
-@functools.lru_cache(maxsize=8)
 def toy_rlhf_params(overrides: tuple[str, ...] = ()) -> ToyRLHFParams:
+    """ToyRLHF-v0's EnvParams (built_toy_rlhf_params), a reward model's directory made absolute: the tables
+    are cached by the overrides, and a relative path names another model from another directory."""
+    return built_toy_rlhf_params(tuple(f"reward_model={os.path.abspath(o.split('=', 1)[1])}"
+                                       if o.startswith("reward_model=") and o.split("=", 1)[1] else o
+                                       for o in overrides))
+
+
+@functools.lru_cache(maxsize=8)
+def built_toy_rlhf_params(overrides: tuple[str, ...] = ()) -> ToyRLHFParams:
     """ToyRLHF-v0's EnvParams with its tables, built deterministically from `seed` (NumPy's PCG64, in
     milliseconds; the same ops in eager JAX took seconds): B's logits standard normal x 2, the
     diagonal lowered by repeat_penalty (a language that rarely repeats a token); w* standard normal;
@@ -3208,7 +3330,50 @@ def toy_rlhf_params(overrides: tuple[str, ...] = ()) -> ToyRLHFParams:
     weights = fit_bradley_terry(bag_of_tokens(first, v) - bag_of_tokens(second, v), preferred).astype(np.float32)
     p = p.replace(proxy_weights=weights)
     raw = proxy_reward(pool, p, standard=(0.0, 1.0))
-    return p.replace(proxy_standard=np.array([raw.mean(), raw.std()], np.float32))
+    p = p.replace(proxy_standard=np.array([raw.mean(), raw.std()], np.float32))
+    if p.mode == "learned":
+        network, params = load_reward_model(p)
+        p = p.replace(rm_network=network, rm_params=params, rm_standard=np.array([0.0, 1.0], np.float32))
+        raw = batched_scores(lambda tokens: learned_scores(tokens, p), pool)
+        p = p.replace(rm_standard=np.array([raw.mean(), raw.std()], np.float32))
+    elif p.reward_model:
+        raise ConfigError(f"--env-params reward_model={p.reward_model}: only with mode=learned (the reward it gives)")
+    return p
+
+
+def load_reward_model(p: ToyRLHFParams):
+    """mode=learned: (network, params) of the reward model in the run directory `reward_model` (--lm-stage
+    reward), checked against this env's vocab and length."""
+    where = f"--env-params reward_model={p.reward_model}"
+    if not p.reward_model:
+        raise ConfigError(f"--env-params mode=learned needs reward_model=DIR, a --lm-stage reward run's directory")
+    config = load_run_config(p.reward_model, where)
+    if config.lm_stage != "reward" or config.env != TOY_RLHF:
+        raise ConfigError(f"{where}: not a reward model (its config.json has --env {config.env} --lm-stage "
+                          f"{config.lm_stage}): give the directory of a run with --lm-stage reward")
+    theirs = toy_rlhf_params(tuple(o for o in config.env_params if not o.startswith(("mode=", "reward_model="))))
+    if (theirs.vocab, theirs.length) != (p.vocab, p.length):
+        raise ConfigError(f"{where}: its reward model scores responses of {theirs.length} tokens of {theirs.vocab}, "
+                          f"this env's are {p.length} of {p.vocab}: train one at vocab={p.vocab} length={p.length}")
+    env = make_env(dataclasses.replace(config, num_envs=1))
+    network = make_network(config, env)
+    policies = read_policies(config, env, network, os.path.join(p.reward_model, "params.msgpack"), where)
+    return network, jax.tree.map(lambda x: np.asarray(x[0]), policies.params)
+
+
+def batched_scores(score, tokens: np.ndarray, batch: int = 1 << 14) -> np.ndarray:
+    """score (calling a jitted function: one compile per shape, whatever the params) over responses [n, L]
+    in batches -> [n] float64."""
+    return np.concatenate([np.asarray(score(jnp.asarray(tokens[i:i + batch])), np.float64)
+                           for i in range(0, len(tokens), batch)])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def response_values(network, params, tokens):  # the value head after the last token of responses [n, L] -> [n]
+    return network.apply(params, tokens, whole=True).value[..., -1]
+
+
+learned_scores = jax.jit(learned_reward)  # (tokens, p): the env params' tables are arguments, not constants
 
 
 class ToyRLHF(GymnaxEnvironment):
@@ -3239,7 +3404,11 @@ class ToyRLHF(GymnaxEnvironment):
         t = state.time
         previous = jnp.where(t > 0, state.tokens[jnp.maximum(t - 1, 0)], v)
         fluency = params.log_bigram[previous, action]
-        if params.mode == "fluency":
+        tokens = state.tokens.at[t].set(action)
+        if params.mode == "learned":  # the reward model's score of the whole response, paid at its last token
+            score = learned_reward(tokens, params)
+            reward = jnp.where(t + 1 >= length, score, 0.0)
+        elif params.mode == "fluency":
             reward = fluency
         elif params.mode == "gold":  # w*_a for the first two copies of a, lambda * log B, and the mean spread over L
             copies = jnp.sum(state.tokens == action)
@@ -3248,16 +3417,19 @@ class ToyRLHF(GymnaxEnvironment):
                       - mean / length) / std
         else:
             reward = proxy_token_reward(params.proxy_weights[action], params)
-        tokens = state.tokens.at[t].set(action)
         state = ToyRLHFState(time=t + 1, tokens=tokens)
         distinct = jnp.sum(bag_of_tokens(tokens, v) > 0)
         info = {
             "gold_reward": gold_reward(tokens, params),
-            "proxy_reward": proxy_reward(tokens, params),
+            "proxy_reward": score if params.mode == "learned" else proxy_reward(tokens, params),
             "fluency": sequence_fluency(tokens, params.log_bigram),
             "repeat_frac": (t + 1 - distinct) / jnp.maximum(t, 1),
         }
         return self.get_obs(state, params), state, reward.astype(jnp.float32), t + 1 >= length, info
+
+    @staticmethod
+    def sequence(params: ToyRLHFParams) -> tuple[int, int]:  # the response in the observation (--torso transformer)
+        return params.vocab, params.length
 
     @property
     def name(self) -> str:
@@ -3482,6 +3654,44 @@ FIELD_ZERO = {"table_rows": "no table", "sweep_chunk": "all agents at once", "ch
               "env_devices": "auto"}
 
 
+def check_language_model(config: Config, env, env_params) -> None:
+    """--torso transformer and --lm-stage: an env whose observation holds a response, a transformer that
+    fits, and each stage's inputs."""
+    sequence = getattr(env, "sequence", None)
+    if config.torso == "transformer" and sequence is None:
+        raise ConfigError(f"--torso transformer reads a response from the observation: {config.env}'s holds none "
+                          f"(use it on {TOY_RLHF}, or another --torso)")
+    layers, heads, width = config.transformer
+    if config.torso == "transformer" and (min(layers, heads, width) < 1 or width % heads):
+        raise ConfigError(f"--transformer {layers} {heads} {width}: layers, heads and width must be positive and the "
+                          "heads must divide the width (e.g. 2 4 64)")
+    if config.torso == "transformer" and (config.hparams.norm_obs or config.is_recurrent):
+        raise ConfigError("--torso transformer reads the tokens from the raw observation and is its own memory: "
+                          "drop --norm-obs and --recurrent")
+    stage = config.lm_stage
+    if stage == "none":
+        return
+    if config.torso != "transformer":
+        raise ConfigError(f"--lm-stage {stage} trains a language model: add --torso transformer (on {TOY_RLHF})")
+    for name in ("lm_steps", "lm_batch_size", "lm_data"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{flag(name)} {getattr(config, name)}: must be a positive integer")
+    if not config.label_scale > 0:
+        raise ConfigError(f"--label-scale {config.label_scale}: must be > 0 (larger: labels closer to gold's ranking)")
+    if not 0.0 <= config.label_noise < 0.5:
+        raise ConfigError(f"--label-noise {config.label_noise}: a fraction in [0, 0.5)")
+    if stage == "reward" and not config.has_critic:
+        raise ConfigError("--lm-stage reward: its score is the value head: drop --adv-estimator (a critic is needed)")
+    if stage in ("reward", "dpo", "ipo") and not (config.ref_params or config.init_params):
+        raise ConfigError(f"--lm-stage {stage}: its pairs are sampled from --ref-params (the SFT model's directory)")
+    if stage in ("dpo", "ipo"):
+        if not config.lm_betas or min(config.lm_betas) <= 0:
+            raise ConfigError(f"--lm-betas {' '.join(map(str, config.lm_betas))}: each beta must be > 0 (e.g. 0.1 0.3 1)")
+        all_responses(env_params.vocab, env_params.length)  # the end points are exact
+    elif config.num_seeds != 1:
+        raise ConfigError(f"--lm-stage {stage} trains one model (the next stage reads it): drop --num-seeds")
+
+
 def validate(config: Config, check_run_dir: bool = True) -> None:
     """Raise ConfigError for the first invalid setting, before anything is compiled."""
     check_env_id(config.env, config.env_params)
@@ -3503,6 +3713,7 @@ def validate(config: Config, check_run_dir: bool = True) -> None:
         if getattr(config, name) not in choices:
             raise ConfigError(f"{flag(name)} {getattr(config, name)!r}: use one of {', '.join(choices)}")
     check_action_dist(config, env.action_space(env_params))
+    check_language_model(config, env, env_params)
     if not config.hidden_sizes or min(config.hidden_sizes) < 1:
         raise ConfigError(f"--hidden-sizes {config.hidden_sizes}: give one or more positive widths, e.g. 64 64")
     if config.eval_episodes < 1:
@@ -6249,7 +6460,8 @@ def render_episode(config: Config, policy: Policy, path: str, deterministic: boo
 
 
 # ================================================================================================
-# 8. RLHF in miniature: the exact KL-regularised optimum, best-of-n, and the over-optimisation figure
+# 8. RLHF in miniature: the exact KL-regularised optimum, best-of-n, the over-optimisation figure, and the
+#    loop with a language model (pretraining, SFT, a reward model, DPO and IPO; every response listed)
 # ================================================================================================
 
 
@@ -6401,6 +6613,12 @@ def objective_label(point: dict[str, Any]) -> str:  # the sweep point without it
     return ", ".join(f"{k}={format_value(v)}" for k, v in point.items() if k != "ref_kl_coef") or "base"
 
 
+def setting_label(config: Config) -> str:  # a ToyRLHF setting: its estimator, epochs and reward model
+    model = [o.split("=", 1)[1] for o in config.env_params if o.startswith("reward_model=")]
+    return (f"{config.adv_estimator}, {config.update_epochs} epochs"
+            + (f", reward model {os.path.basename(os.path.normpath(model[-1]))}" if model else ""))
+
+
 def rlhf_endpoints(sweep: Sweep, settings: list[SweepSetting]) -> list[dict[str, Any]]:
     """One row per setting x point x seed of a ToyRLHF-v0 sweep: where each run ended (gold, proxy,
     KL per response, repeat_frac over the last 10 % of updates) and its gold at the first update."""
@@ -6412,7 +6630,7 @@ def rlhf_endpoints(sweep: Sweep, settings: list[SweepSetting]) -> list[dict[str,
         first_gold = metrics["gold_reward"][:, 0].reshape(-1, config.num_seeds)
         for p, point in enumerate(sweep.points):
             for seed in range(config.num_seeds):
-                rows.append({"setting": f"{config.adv_estimator}, {config.update_epochs} epochs", "setting_index": i,
+                rows.append({"setting": setting_label(config), "setting_index": i,
                              "objective": objective_label(point),
                              "ref_kl_coef": float(point.get("ref_kl_coef", config.hparams.ref_kl_coef)), "seed": seed,
                              **{name: float(values[p, seed]) for name, values in final.items()},
@@ -6420,23 +6638,44 @@ def rlhf_endpoints(sweep: Sweep, settings: list[SweepSetting]) -> list[dict[str,
     return rows
 
 
+def rlhf_truth(config: Config, index: int):
+    """A ToyRLHF setting's ground truth: (label, the exact pi*_beta and best-of-n curves, beta -> pi*_beta's
+    expectations); the curves None where none is exact (mode=learned without a reference's file)."""
+    p = make_gymnax(config.env, config.env_params)[1]
+    if p.mode == "learned":  # every response listed, against the run's reference (the SFT model)
+        truth = enumerated_truth(config, p)
+        label = f"reward model {os.path.basename(os.path.normpath(p.reward_model))}"
+        return (label, None, None) if truth is None else (label, truth.frontier(), truth.optimum)
+    return ("" if index == 0 else f"env {index}", exact_frontier(p),
+            lambda coef: markov_expectations(p, optimal_policy(p, coef)))
+
+
 def write_rlhf_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting]) -> str:
     """A ToyRLHF-v0 sweep's over-optimisation outputs: rlhf_endpoints.csv, rlhf_frontier.csv (the
     exact pi*_beta and best-of-n curves), rlhf_fits.csv (Gao et al.'s forms fitted to each setting and
     objective's end points, and to best-of-n) and rlhf.png; returns the printed summary."""
-    env_params = make_gymnax(settings[0].config.env, settings[0].config.env_params)[1]
-    frontier = exact_frontier(env_params)
     endpoints = rlhf_endpoints(sweep, settings)
-    exact = {coef: markov_expectations(env_params, optimal_policy(env_params, coef))
-             for coef in {row["ref_kl_coef"] for row in endpoints} if coef > 0}
-    for row in endpoints:  # pi*_beta at the run's own coefficient (k1 in the reward: the same objective)
-        optimum = exact.get(row["ref_kl_coef"], {})
-        row.update({f"exact_{name}": optimum.get(name, math.nan) for name in ("gold_reward", "proxy_reward", "kl")})
+    sources = {}  # the exact optimum of each setting's objective: {its env and reference: (label, frontier, optimum)}
+    for row in endpoints:
+        config = settings[row["setting_index"]].config
+        key = (config.env_params, config.ref_params or config.init_params)
+        if key not in sources:
+            sources[key] = rlhf_truth(config, len(sources))
+        row["source"] = sources[key][0]
+        row.update({f"exact_{name}": math.nan for name in ("gold_reward", "proxy_reward", "kl")})
+        if sources[key][1] is not None and row["ref_kl_coef"] > 0:  # k1 in the reward: the same objective
+            optimum = sources[key][2](row["ref_kl_coef"])
+            row.update({f"exact_{name}": optimum[name] for name in ("gold_reward", "proxy_reward", "kl")})
+    frontiers = {label: frontier for label, frontier, _ in sources.values() if frontier is not None}
+    if not frontiers:
+        return "no exact optimum: the reference is each seed's random initial policy (give --ref-params)"
     columns = list(endpoints[0])
     write_csv(os.path.join(run_dir, "rlhf_endpoints.csv"), [columns] + [[row[c] for c in columns] for row in endpoints])
-    curve = [["curve", "beta_or_n", "kl", "gold_reward", "proxy_reward"]]
-    curve += [["optimum", r["beta"], r["kl"], r["gold_reward"], r["proxy_reward"]] for r in frontier["optimum"]]
-    curve += [["best_of_n", r["n"], r["kl"], r["gold_reward"], r["proxy_reward"]] for r in frontier["best_of_n"]]
+    curve = [["source", "curve", "beta_or_n", "kl", "gold_reward", "proxy_reward"]]
+    for label, frontier in frontiers.items():
+        curve += [[label, "optimum", r["beta"], r["kl"], r["gold_reward"], r["proxy_reward"]] for r in frontier["optimum"]]
+        curve += [[label, "best_of_n", r["n"], r["kl"], r["gold_reward"], r["proxy_reward"]]
+                  for r in frontier["best_of_n"]]
     write_csv(os.path.join(run_dir, "rlhf_frontier.csv"), curve)
     fits, groups = [["fit", "form", "alpha", "beta", "r2", "points"]], {}
     for row in endpoints:
@@ -6445,21 +6684,25 @@ def write_rlhf_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting])
         d = np.sqrt(np.maximum([r["ref_kl_seq"] for r in rows], 0.0))
         fit = gao_fit(d, np.array([r["gold_reward"] - r["start_gold"] for r in rows]), "rl")
         fits.append([f"PPO {setting}, {objective}", "rl", *fit.values()])
-    bon = frontier["best_of_n"]
-    fit = gao_fit(np.sqrt([r["kl"] for r in bon]), np.array([r["gold_reward"] - bon[0]["gold_reward"] for r in bon]),
-                  "bon")
-    fits.append(["best-of-n (exact)", "bon", *fit.values()])
+    for label, frontier in frontiers.items():
+        bon = frontier["best_of_n"]
+        fit = gao_fit(np.sqrt([r["kl"] for r in bon]),
+                      np.array([r["gold_reward"] - bon[0]["gold_reward"] for r in bon]), "bon")
+        fits.append([f"best-of-n (exact){label and ', ' + label}", "bon", *fit.values()])
     write_csv(os.path.join(run_dir, "rlhf_fits.csv"), fits)
-    plot(plot_rlhf, run_dir, frontier, endpoints, settings)
+    plot(plot_rlhf, run_dir, frontiers, endpoints, settings)
     closeness = []  # per setting and objective: PPO's mean end point against pi*_beta, median over coefficients
     for (setting, objective), rows in groups.items():
-        ratios = [(np.mean([r[name] for r in rows if r["ref_kl_coef"] == coef]) / exact[coef][key]) - 1
-                  for coef in exact for name, key in (("ref_kl_seq", "kl"), ("proxy_reward", "proxy_reward"))]
+        ratios = [r[name] / r[f"exact_{key}"] - 1 for r in rows if r["ref_kl_coef"] > 0
+                  for name, key in (("ref_kl_seq", "kl"), ("proxy_reward", "proxy_reward"))]
         closeness.append(f"{setting}, {objective}: {np.median(np.abs(ratios)):.0%}")
-    peak = max(frontier["optimum"], key=lambda r: r["gold_reward"])
-    lines = [f"RLHF in miniature: exact pi*_beta's gold peaks at {peak['gold_reward']:.2f} (beta {peak['beta']:.3g}, "
-             f"KL {peak['kl']:.2f}); at beta -> 0 it is {frontier['optimum'][0]['gold_reward']:.2f} (KL "
-             f"{frontier['optimum'][0]['kl']:.1f}). Gao et al.'s forms (R^2): "
+    peaks = []
+    for label, frontier in frontiers.items():
+        peak = max(frontier["optimum"], key=lambda r: r["gold_reward"])
+        peaks.append(f"{label + ': ' if label else ''}exact pi*_beta's gold peaks at {peak['gold_reward']:.2f} (beta "
+                     f"{peak['beta']:.3g}, KL {peak['kl']:.2f}); at beta -> 0 it is "
+                     f"{frontier['optimum'][0]['gold_reward']:.2f} (KL {frontier['optimum'][0]['kl']:.1f})")
+    lines = ["RLHF in miniature: " + "; ".join(peaks) + ". Gao et al.'s forms (R^2): "
              + "; ".join(f"{row[0]} {row[4]:.2f}" for row in fits[1:]),
              "End points against pi*_beta at the same coefficient (median |KL and proxy / exact - 1|): "
              + "; ".join(closeness),
@@ -6467,9 +6710,10 @@ def write_rlhf_outputs(run_dir: str, sweep: Sweep, settings: list[SweepSetting])
     return "\n".join(lines)
 
 
-def plot_rlhf(run_dir: str, frontier: dict[str, list[dict]], endpoints: list[dict], settings: list[SweepSetting]):
+def plot_rlhf(run_dir: str, frontiers: dict[str, dict[str, list[dict]]], endpoints: list[dict],
+              settings: list[SweepSetting]):
     """rlhf.png. Top: gold and proxy reward against sqrt(KL[pi || pi_ref]): the exact pi*_beta and
-    best-of-n curves, each PPO run's end point (coloured by the leash's coefficient, one marker per
+    best-of-n curves (one colour per source: the settings' reward models), each PPO run's end point (coloured by the leash's coefficient, one marker per
     setting and objective), and the first setting's unleashed run over its updates. Bottom: the final
     gold, proxy and KL against the coefficient (mean over seeds; colour: setting, line: objective)."""
     import matplotlib.pyplot as plt
@@ -6483,9 +6727,11 @@ def plot_rlhf(run_dir: str, frontier: dict[str, list[dict]], endpoints: list[dic
     markers, styles = "os^vDPX*<>", ["-", "--", ":", "-."]
     unleashed = [i for i, row in enumerate(endpoints) if row["setting_index"] == 0 and row["ref_kl_coef"] == 0]
     for ax, name in ((axes[0, 0], "gold_reward"), (axes[0, 1], "proxy_reward")):
-        for curve, style, label in (("optimum", "-", "exact $\\pi^*_\\beta$"), ("best_of_n", "--", "best-of-n (exact)")):
-            rows = frontier[curve]
-            ax.plot(np.sqrt([r["kl"] for r in rows]), [r[name] for r in rows], style, color="k", lw=1.5, label=label)
+        for f, (source, frontier) in enumerate(frontiers.items()):
+            for curve, style, label in (("optimum", "-", "exact $\\pi^*_\\beta$"), ("best_of_n", "--", "best-of-n (exact)")):
+                rows = frontier[curve]
+                ax.plot(np.sqrt([r["kl"] for r in rows]), [r[name] for r in rows], style, lw=1.5,
+                        color="k" if f == 0 else f"C{(f - 1) % 10}", label=label + (f", {source}" if source else ""))
         for g, group in enumerate(groups):
             rows = [r for r in endpoints if (r["setting"], r["objective"]) == group]
             ax.scatter(np.sqrt(np.maximum([r["ref_kl_seq"] for r in rows], 0)), [r[name] for r in rows], s=14,
@@ -6513,6 +6759,349 @@ def plot_rlhf(run_dir: str, frontier: dict[str, list[dict]], endpoints: list[dic
     axes[1, 2].legend(fontsize=6, loc="upper right")
     fig.tight_layout()
     save_figure(fig, os.path.join(run_dir, "rlhf.png"), dpi=100)
+
+
+# The loop with a language model (--lm-stage; README, "The loop with a language model"): InstructGPT's
+# steps at a size whose every response can be listed, so each is measured against its exact optimum.
+SFT_POOL = 10  # --lm-stage sft: the demonstrations are the best 1 in this many of B's responses by gold
+HELD_OUT = 1024  # sequences (pairs) held out beside every stage's training set
+LM_EVALS = 20  # held-out evaluations over a stage's steps (the rows of its metrics.csv)
+ENUMERABLE = 1 << 20  # responses listed for the exact optima (vocab ** length at most this many)
+STAGE_DATA = {"pretrain": 1, "sft": 2, "reward": 3, "dpo": 3, "ipo": 3}  # a stream of --seed's per data set: dpo and ipo
+# draw reward's pairs and labels, so the three stages train on the same comparisons
+
+
+def sequence_log_probs(network: ActorCritic, params, tokens):
+    """log pi(y_t | y_<t) of responses [..., L] -> [..., L], every position in one pass (teacher forcing)."""
+    dist = network.apply(params, tokens, whole=True).dist  # over [..., L + 1] positions: the last has no token
+    padded = jnp.concatenate([tokens, jnp.zeros_like(tokens[..., :1])], axis=-1)
+    return dist.log_prob(padded)[..., :-1]
+
+
+def lm_loss(network: ActorCritic, params, tokens):
+    """Pretraining and SFT: the mean negative log-likelihood per token (cross-entropy, nats)."""
+    return -jnp.mean(sequence_log_probs(network, params, tokens))
+
+
+def bradley_terry_loss(first, second, preferred):
+    """The reward model's loss on pairs: -mean log sigmoid(s (r_1 - r_2)), s = +1 where the first response
+    is preferred, -1 where the second (Bradley and Terry 1952; InstructGPT Eq. 1)."""
+    sign = 2.0 * preferred - 1.0
+    return jnp.mean(jax.nn.softplus(-sign * (first - second)))
+
+
+def preference_loss(first_log_ratio, second_log_ratio, preferred, beta, kind: str = "dpo"):
+    """DPO's and IPO's loss on pairs from h = s (log pi/pi_ref (y_1) - log pi/pi_ref (y_2)), log-ratios of whole
+    responses, s as in bradley_terry_loss. dpo: -mean log sigmoid(beta h) (Rafailov et al. 2023, Eq. 7);
+    ipo: mean (h - 1 / (2 beta))^2 (Azar et al. 2023, IPO's sampled loss)."""
+    h = (2.0 * preferred - 1.0) * (first_log_ratio - second_log_ratio)
+    return jnp.mean(jax.nn.softplus(-beta * h)) if kind == "dpo" else jnp.mean((h - 0.5 / beta) ** 2)
+
+
+def stage_loss(network: ActorCritic, config: Config):
+    """(params, batch, beta) -> (loss, {metric: value}) of --lm-stage; batch as lm_stage_data gives it."""
+    def loss(params, batch, beta):
+        if config.lm_stage in ("pretrain", "sft"):
+            value = lm_loss(network, params, batch["tokens"])
+            return value, {"loss": value, "perplexity": jnp.exp(value)}
+        if config.lm_stage == "reward":
+            first, second = (network.apply(params, batch[name], whole=True).value[..., -1] for name in ("first", "second"))
+            value = bradley_terry_loss(first, second, batch["preferred"])
+            return value, {"loss": value, "accuracy": jnp.mean((first > second) == (batch["preferred"] > 0.5))}
+        first, second = (sequence_log_probs(network, params, batch[name]).sum(-1) - batch[f"{name}_ref"]
+                         for name in ("first", "second"))
+        value = preference_loss(first, second, batch["preferred"], beta, config.lm_stage)
+        margin = (2.0 * batch["preferred"] - 1.0) * (first - second)
+        return value, {"loss": value, "accuracy": jnp.mean(margin > 0), "margin": jnp.mean(margin)}
+
+    return loss
+
+
+def demonstrations(p: ToyRLHFParams, rng: np.random.Generator, num: int) -> np.ndarray:
+    """--lm-stage sft's data: the best num by gold of SFT_POOL * num responses from B."""
+    pool = sample_bigram(rng, p.log_bigram, p.length, SFT_POOL * num)
+    return pool[np.argsort(-gold_reward(pool, p), kind="stable")[:num]]
+
+
+def comparisons(config: Config, p: ToyRLHFParams, rng: np.random.Generator, num: int, key) -> dict[str, np.ndarray]:
+    """num pairs of responses sampled from --ref-params (the SFT model), labelled by gold's Bradley-Terry model,
+    P(y_1 preferred) = sigmoid(--label-scale (gold(y_1) - gold(y_2))), a --label-noise fraction of the labels
+    flipped."""
+    reference = config.ref_params or config.init_params
+    policies = read_policies(config, make_env(config), make_network(config, make_env(config)), reference, "--ref-params")
+    policies = jax.tree.map(lambda x: x[config.params_index:config.params_index + 1], policies)
+    tokens = np.asarray(responses_program(dataclasses.replace(config, num_seeds=1), 2 * num)(
+        policies, key[None])[0][0])
+    first, second = tokens[:num], tokens[num:]
+    preferred = rng.random(num) < 1.0 / (1.0 + np.exp(config.label_scale * (gold_reward(second, p)
+                                                                             - gold_reward(first, p))))
+    preferred ^= rng.random(num) < config.label_noise
+    return {"first": first, "second": second, "preferred": preferred.astype(np.float32)}
+
+
+def lm_stage_data(config: Config, p: ToyRLHFParams, network: ActorCritic, reference) -> tuple[dict, dict]:
+    """(training set, held-out set) of --lm-stage, drawn from --seed's stream for the stage's data set."""
+    rng = np.random.default_rng([config.seed, STAGE_DATA[config.lm_stage]])
+    total = config.lm_data + HELD_OUT
+    if config.lm_stage == "pretrain":
+        data = {"tokens": sample_bigram(rng, p.log_bigram, p.length, total)}
+    elif config.lm_stage == "sft":
+        data = {"tokens": demonstrations(p, rng, total)}
+    else:
+        key = jax.random.fold_in(jax.random.PRNGKey(config.seed), STAGE_DATA[config.lm_stage])
+        data = comparisons(config, p, rng, total, key)
+        if config.lm_stage in ("dpo", "ipo"):  # log pi_ref of every response, once
+            for name in ("first", "second"):
+                data[f"{name}_ref"] = policy_log_probs(network, reference.params, data[name])
+    data = {name: np.asarray(value, np.float32 if value.dtype.kind == "f" else np.int32) for name, value in data.items()}
+    return ({name: value[:config.lm_data] for name, value in data.items()},
+            {name: value[config.lm_data:] for name, value in data.items()})
+
+
+def lm_stage_program(config: Config, network: ActorCritic):
+    """The stage's training as one jitted program, vmapped over agents (dpo, ipo: --lm-betas x --num-seeds;
+    else one): (params, train, held_out, betas [A], keys [A]) -> (params [A], per evaluation: the training
+    loss's metrics averaged over the steps since the last, and the held-out set's)."""
+    loss = stage_loss(network, config)
+    steps = max(1, config.lm_steps // LM_EVALS)
+    h = config.hparams
+    schedule = optax.linear_schedule(h.lr, 0.0 if h.anneal_lr else h.lr, steps * LM_EVALS)
+    tx = make_optimizer(h, schedule)
+
+    def train(params, data, held_out, beta, key):
+        size = len(jax.tree.leaves(data)[0])
+
+        def step(carry, key):
+            params, opt_state = carry
+            batch = jax.tree.map(lambda x: x[jax.random.randint(key, (config.lm_batch_size,), 0, size)], data)
+            (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, beta)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), metrics
+
+        def evaluation(carry, key):
+            carry, metrics = jax.lax.scan(step, carry, jax.random.split(key, steps))
+            return carry, (jax.tree.map(jnp.mean, metrics), loss(carry[0], held_out, beta)[1])
+
+        (params, _), (trained, evaluated) = jax.lax.scan(evaluation, (params, tx.init(params)),
+                                                         jax.random.split(key, LM_EVALS))
+        return params, trained, evaluated
+
+    return jax.jit(jax.vmap(train, in_axes=(None, None, None, 0, 0)))
+
+
+def run_lm_stage(config: Config) -> dict[str, Any]:
+    """--lm-stage: one stage of the loop, trained and measured; writes params.msgpack (every agent's: [A, ...]),
+    metrics.csv, lm.png and summary.json into the run directory; returns the summary."""
+    started = time.time()
+    env = make_env(config)
+    network, p = make_network(config, env), env.env_params
+    initial = load_policy(config, env, network, config.init_params, "--init-params")
+    if initial is None:
+        initial = init_policy(jax.random.PRNGKey(config.seed), env, network, HParams(), jnp.zeros((1, env.obs_dim)))
+    reference = load_policy(config, env, network, config.ref_params or config.init_params, "--ref-params")
+    train, held_out = lm_stage_data(config, p, network, reference)
+    preference = config.lm_stage in ("dpo", "ipo")
+    betas = [(beta, seed) for beta in config.lm_betas for seed in range(config.num_seeds)] if preference else [(0.0, 0)]
+    keys = jnp.stack([jax.random.fold_in(jax.random.PRNGKey(config.seed), seed) for _, seed in betas])
+    params, trained, evaluated = lm_stage_program(config, network)(
+        initial.params, train, held_out, jnp.asarray([beta for beta, _ in betas], jnp.float32), keys)
+    steps = max(1, config.lm_steps // LM_EVALS) * np.arange(1, LM_EVALS + 1)
+    rows = [["agent", "beta", "seed", "step", *[f"train_{k}" for k in trained], *[f"heldout_{k}" for k in evaluated]]]
+    for a, (beta, seed) in enumerate(betas):
+        for i, step in enumerate(steps):
+            rows.append([a, beta, seed, int(step), *[f"{float(v[a, i]):.6g}" for v in trained.values()],
+                         *[f"{float(v[a, i]):.6g}" for v in evaluated.values()]])
+    write_csv(os.path.join(config.run_dir, "metrics.csv"), rows)
+    stats = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(betas), *jnp.shape(x))), initial.obs_stats)
+    write_atomically(os.path.join(config.run_dir, "params.msgpack"),
+                     serialization.to_bytes(jax.device_get(Policy(params, stats))))
+    summary = {"stage": config.lm_stage, **{f"heldout_{k}": float(v[0, -1]) for k, v in evaluated.items()},
+               "seconds": round(time.time() - started, 1)}
+    if config.lm_stage in ("pretrain", "sft"):  # B's own perplexity per token (exact), and the samples' gold
+        entropy = -markov_expectations(p, np.broadcast_to(np.exp(toy_rlhf_tables(p)["log_bigram"]),
+                                                           (p.length, p.vocab + 1, p.vocab)))["fluency"]
+        summary["language_perplexity"] = math.exp(entropy / p.length)
+        tokens, _ = policy_responses(config, Policy(params_of(params, 0, keep=True), params_of(stats, 0, keep=True)),
+                                     4096)
+        summary["sample_gold_reward"] = float(np.mean(gold_reward(np.asarray(tokens[0]), p)))
+    if config.lm_stage == "reward":  # the ceiling: gold itself ranking the held-out pairs
+        gold_first, gold_second = gold_reward(held_out["first"], p), gold_reward(held_out["second"], p)
+        summary["gold_heldout_accuracy"] = float(np.mean((gold_first > gold_second) == (held_out["preferred"] > 0.5)))
+        scores = batched_scores(lambda tokens: response_values(network, params_of(params, 0), tokens), held_out["first"])
+        summary["gold_correlation"] = float(np.corrcoef(scores, gold_first)[0, 1])
+    curve = None
+    if preference:
+        summary["endpoints"], curve = preference_endpoints(config, p, network, params, reference, betas)
+    write_atomically(os.path.join(config.run_dir, "summary.json"), json.dumps(summary, indent=1).encode())
+    plot(plot_lm_stage, config.run_dir, rows, summary.get("endpoints"), curve)
+    return summary
+
+
+def lm_stage_command(config: Config) -> dict[str, Any]:
+    """--lm-stage from the command line: the stage, then its summary in a few lines."""
+    agents = len(config.lm_betas) * config.num_seeds if config.lm_stage in ("dpo", "ipo") else 1
+    print(f"ppo_jax: {config.env} --lm-stage {config.lm_stage}, {config.lm_steps} steps of {config.lm_batch_size} "
+          f"on {config.lm_data} {'pairs' if config.lm_stage in STAGE_DATA and STAGE_DATA[config.lm_stage] == 3 else 'sequences'}"
+          + (f", {agents} policies" if agents > 1 else ""))
+    summary = run_lm_stage(config)
+    shown = {k: v for k, v in summary.items() if k not in ("stage", "endpoints")}
+    print(", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+    for row in summary.get("endpoints", []):
+        print(f"beta {row['beta']:g} seed {row['seed']}: gold {row['gold_reward']:.3f}, KL {row['kl']:.3f} "
+              f"(its loss's optimum: gold {row['optimum_gold_reward']:.3f}, KL {row['optimum_kl']:.3f})")
+    print(f"outputs: {config.run_dir}/")
+    return summary
+
+
+def params_of(params, agent: int, keep: bool = False):
+    """Agent `agent` of params [A, ...] (keep: as [1, ...])."""
+    return jax.tree.map(lambda x: x[agent:agent + 1] if keep else x[agent], params)
+
+
+def all_responses(vocab: int, length: int) -> np.ndarray:
+    """Every response [vocab ** length, L] int32, in lexicographic order."""
+    if vocab**length > ENUMERABLE:
+        raise ConfigError(f"--env-params vocab={vocab} length={length}: {vocab}**{length} responses are too many to "
+                          f"list for the exact optimum (at most {ENUMERABLE:,}): e.g. vocab=8 length=6")
+    return np.stack(np.unravel_index(np.arange(vocab**length), (vocab,) * length), -1).astype(np.int32)
+
+
+class Enumerated:
+    """Every response of a small ToyRLHF env, with its log-probability under a reference policy (`log_ref`), the
+    reward a policy is optimised for (`reward`: the env's) and gold: exact expectations of any policy given as
+    log-probabilities, pi*_beta(y) ∝ pi_ref(y) exp(reward(y) / beta) (the optimum of E[reward] - beta KL[pi ||
+    pi_ref]: Korbak et al. 2022; DPO's, with the labels' reward: Rafailov et al. 2023) and best-of-n."""
+
+    def __init__(self, log_ref, reward, gold):
+        self.log_ref, self.reward, self.gold = (np.asarray(x, np.float64) for x in (log_ref, reward, gold))
+        self.log_ref -= np.logaddexp.reduce(self.log_ref)  # a model's log-probabilities sum to 1 up to rounding
+
+    def expectations(self, log_pi, reward=None) -> dict[str, float]:
+        """gold, reward (proxy_reward) and KL[pi || pi_ref] of the policy log_pi [n]."""
+        pi = np.exp(log_pi)
+        return {"gold_reward": float(pi @ self.gold), "proxy_reward": float(pi @ self.reward),
+                "kl": float(pi @ (log_pi - self.log_ref))}
+
+    def optimum(self, beta: float, reward=None) -> dict[str, float]:
+        """pi*_beta's expectations (of the env's reward, or of `reward` [n], e.g. gold for DPO's labels)."""
+        log_pi = self.log_ref + (self.reward if reward is None else reward) / beta
+        return {"beta": float(beta), **self.expectations(log_pi - np.logaddexp.reduce(log_pi))}
+
+    def best_of_n(self, ns: Sequence[int]) -> list[dict[str, float]]:
+        """Best-of-n from pi_ref by the env's reward, exactly: responses ranked by reward, F the reference's
+        distribution function over the ranks, P(best of n in rank group g) = F_g^n - F_(g-1)^n, shared within a
+        group of equal rewards in proportion to pi_ref (ties broken at random)."""
+        values, group = np.unique(self.reward, return_inverse=True)
+        ref = np.exp(self.log_ref)
+        mass = np.bincount(group, ref, len(values))
+        upper = np.minimum(np.cumsum(mass), 1.0)
+        lower = np.concatenate([[0.0], upper[:-1]])
+        rows = []
+        for n in ns:
+            share = (upper**n - lower**n) / np.maximum(mass, 1e-300)  # P(group) / pi_ref(group)
+            log_pi = np.log(np.maximum(share[group], 1e-300)) + self.log_ref
+            rows.append({"n": int(n), **self.expectations(np.where(ref > 0, log_pi, -np.inf))})
+        return rows
+
+    def frontier(self, betas=tuple(np.logspace(-2, 1.5, 36)), ns=tuple(2**k for k in range(11))) -> dict:
+        return {"optimum": [self.optimum(beta) for beta in betas], "best_of_n": self.best_of_n(ns)}
+
+
+def policy_log_probs(network: ActorCritic, params, tokens) -> np.ndarray:
+    """log pi(y) of responses [n, L] under one model's params -> [n] float64."""
+    return batched_scores(lambda y: response_log_probs(network, params, y), tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def response_log_probs(network: ActorCritic, params, tokens):  # log pi(y) of responses [n, L] -> [n]
+    return sequence_log_probs(network, params, tokens).sum(-1)
+
+
+def enumerated_truth(config: Config, p: ToyRLHFParams) -> Enumerated | None:
+    """mode=learned: every response under the run's reference (--ref-params, else --init-params; None without
+    either: the reference is each seed's random initial policy), scored by the reward model and gold."""
+    path = config.ref_params or config.init_params
+    if path is None:
+        return None
+    env = make_env(config)
+    network = make_network(config, env)
+    reference = load_policy(config, env, network, path, "--ref-params")
+    tokens = all_responses(p.vocab, p.length)
+    return Enumerated(policy_log_probs(network, reference.params, tokens),
+                      batched_scores(lambda y: learned_scores(y, p), tokens), gold_reward(tokens, p))
+
+
+def win_rates(gold, log_ref, scale: float, noise: float, tail: float = 1e-6) -> np.ndarray:
+    """P(y preferred to y') with y' ~ pi_ref, for every response y [n], under the labels' model (gold's
+    Bradley-Terry at `scale`, a `noise` fraction flipped), y' over the reference's most probable responses
+    that hold all but `tail` of its mass (each rate is off by at most `tail`)."""
+    order = np.argsort(-log_ref)
+    keep = order[:np.searchsorted(np.cumsum(np.exp(log_ref[order])), 1.0 - tail) + 1]
+    weights = np.exp(log_ref[keep]) / np.exp(log_ref[keep]).sum()
+    rates = np.empty(len(gold))
+    for i in range(0, len(gold), 2048):
+        preferred = 1.0 / (1.0 + np.exp(-scale * (gold[i:i + 2048, None] - gold[keep][None])))
+        rates[i:i + 2048] = (noise + (1.0 - 2.0 * noise) * preferred) @ weights
+    return rates
+
+
+def preference_endpoints(config: Config, p: ToyRLHFParams, network: ActorCritic, params, reference,
+                         betas: list[tuple[float, int]]) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+    """DPO's and IPO's end points, exactly (every response listed): gold and KL[pi || pi_ref] of each agent's
+    policy, beside its loss's population optimum, pi*_beta of the labels' reward: for DPO --label-scale x gold
+    (Rafailov et al. 2023, Sec. 4: exact without --label-noise, where the labels are Bradley-Terry's), for IPO
+    the win rate against pi_ref, P(y preferred to y'), y' ~ pi_ref (Azar et al. 2023's objective with Psi the
+    identity, the pairs being pi_ref's samples). -> (rows, the optimum's curve over beta)"""
+    tokens = all_responses(p.vocab, p.length)
+    log_ref = policy_log_probs(network, reference.params, tokens)
+    gold = gold_reward(tokens, p).astype(np.float64)
+    labels = (config.label_scale * gold if config.lm_stage == "dpo"
+              else win_rates(gold, log_ref, config.label_scale, config.label_noise))
+    truth = Enumerated(log_ref, np.zeros(len(tokens)), gold)
+    rows = []
+    for a, (beta, seed) in enumerate(betas):
+        log_pi = policy_log_probs(network, params_of(params, a), tokens)
+        found, best = truth.expectations(log_pi), truth.optimum(beta, reward=labels)
+        rows.append({"beta": beta, "seed": seed, "gold_reward": found["gold_reward"], "kl": found["kl"],
+                     "optimum_gold_reward": best["gold_reward"], "optimum_kl": best["kl"]})
+    curve = [truth.optimum(beta, reward=labels) for beta in np.logspace(-2, 1.5, 36)]
+    return rows, curve
+
+
+def plot_lm_stage(run_dir: str, rows: list[list], endpoints: list[dict] | None = None, curve: list[dict] | None = None):
+    """lm.png: each agent's training and held-out loss over the stage's steps; DPO's and IPO's: beside it,
+    gold against sqrt(KL[pi || pi_ref]) of every end point, on the exact pi*_beta curve of the labels' reward."""
+    import matplotlib.pyplot as plt
+
+    header, table = rows[0], np.array(rows[1:], dtype=object)
+    fig, axes = plt.subplots(1, 2 if endpoints else 1, figsize=(13 if endpoints else 7, 4), squeeze=False)
+    ax = axes[0, 0]
+    if endpoints:
+        right = axes[0, 1]
+        right.plot(np.sqrt([r["kl"] for r in curve]), [r["gold_reward"] for r in curve], "k-",
+                   label="exact $\\pi^*_\\beta$ of the labels' reward")
+        betas = sorted({r["beta"] for r in endpoints})
+        for b, beta in enumerate(betas):
+            mine = [r for r in endpoints if r["beta"] == beta]
+            right.scatter(np.sqrt([r["kl"] for r in mine]), [r["gold_reward"] for r in mine], color=f"C{b % 10}",
+                          label=f"beta {beta:g}")
+            right.scatter(np.sqrt(mine[0]["optimum_kl"]), mine[0]["optimum_gold_reward"], marker="x", color=f"C{b % 10}")
+        right.set_xlabel("$\\sqrt{KL[\\pi \\| \\pi_{ref}]}$ (nats per response)")
+        right.set_ylabel("gold reward (exact)")
+        right.set_title("end points (dots) and each beta's optimum (x)")
+        right.legend(fontsize=7)
+    for a in sorted(set(table[:, 0])):
+        mine = table[table[:, 0] == a]
+        label = f"beta {mine[0, 1]}, seed {mine[0, 2]}" if len(set(table[:, 0])) > 1 else ""
+        for column, style in (("train_loss", "--"), ("heldout_loss", "-")):
+            ax.plot(mine[:, 3].astype(float), mine[:, header.index(column)].astype(float), style, color=f"C{a % 10}",
+                    label=f"{column.replace('_', ' ')} {label}".strip())
+    ax.set_xlabel("gradient step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, os.path.join(run_dir, "lm.png"), dpi=100)
+
 
 # ================================================================================================
 # 9. Command line
@@ -6616,7 +7205,10 @@ def load_run_config(run_dir: str, flag_name: str) -> Config:
         with open(path) as f:
             fields = json.load(f)
         hparams = HParams(**fields.pop("hparams"))
-        for name in ("env_params", "hidden_sizes", "sweep_set"):
+        for field in dataclasses.fields(Config):  # JSON's lists back to the tuples of the fields that are tuples
+            if isinstance(field.default, tuple) and field.name in fields:
+                fields[field.name] = tuple(fields[field.name])
+        for name in ("env_params", "sweep_set"):
             fields[name] = tuple(fields.get(name, ()))
         return Config(**fields, hparams=hparams)
     except FileNotFoundError:
@@ -7023,6 +7615,8 @@ def run_command(config: Config, argv: list[str]):
             raise SystemExit(128 + int(signal.Signals[status.split()[2]]))
         return settings
 
+    if config.lm_stage != "none":
+        return lm_stage_command(config)
     devices, shards = batch_devices(config, agents_at_once(config.num_seeds, config.sweep_chunk))
     print(f"ppo_jax: {config.env}, {config.num_seeds} seed(s) x {config.num_updates} updates x "
           f"{config.batch_size} steps ({config.num_envs} envs x {config.num_steps}) on {len(devices)} "

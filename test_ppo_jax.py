@@ -12,6 +12,7 @@ import csv
 import importlib.util
 import dataclasses
 import errno
+import itertools
 import json
 import math
 import os
@@ -2422,6 +2423,17 @@ def test_default_config_refuses_an_unknown_field_and_act_an_observation_of_anoth
     (["--sweep-set", "num_envs=4,8"], ["--sweep-set", "num_envs is static", "[[static]]"]),
     (["--sweep-set", "lr=1e-3", "--sweep-set", "lr=0.001"], ["--sweep-set", "lr=0.001 is given twice"]),
     (["--sweep-set", "lrr=1e-3"], ["--sweep-set", "did you mean lr?"]),
+    # The loop with a language model.
+    (["--torso", "transformer"], ["--torso transformer", "CartPole-v1", "ToyRLHF-v0"]),
+    (["--env", "ToyRLHF-v0", "--torso", "transformer", "--transformer", "2", "3", "64"], ["--transformer 2 3 64", "divide"]),
+    (["--env", "ToyRLHF-v0", "--lm-stage", "pretrain"], ["--lm-stage pretrain", "--torso transformer"]),
+    (["--env", "ToyRLHF-v0", "--torso", "transformer", "--lm-stage", "reward"], ["--lm-stage reward", "--ref-params"]),
+    (["--env", "ToyRLHF-v0", "--torso", "transformer", "--lm-stage", "dpo", "--ref-params", "x", "--lm-betas", "0.1",
+      "0"], ["--lm-betas 0.1 0", "> 0"]),
+    (["--env", "ToyRLHF-v0", "--torso", "transformer", "--lm-stage", "dpo", "--ref-params", "x"],
+     ["vocab=16 length=8", "too many to list", "vocab=8 length=6"]),
+    (["--env", "ToyRLHF-v0", "--env-params", "mode=learned"], ["mode=learned", "reward_model=DIR", "--lm-stage reward"]),
+    (["--env", "ToyRLHF-v0", "--env-params", "reward_model=x"], ["reward_model=", "/x: only with mode=learned"]),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -5847,7 +5859,7 @@ def test_toy_rlhf_episodes_terminate_at_length_and_rewards_match_a_hand_computat
     sum_v w*_v min(c_v, 2) + lambda * fluency, standardised; proxy: w_hat . c, standardised); every
     episode terminates (never truncates) after `length` tokens and reports all four metrics there."""
     length, envs, steps = 5, 6, 15
-    for mode in P.TOY_RLHF_MODES:
+    for mode in ("fluency", "gold", "proxy"):  # (learned: a transformer's score, test_lm_loop_...)
         config = tiny_config(env="ToyRLHF-v0", env_params=(f"mode={mode}", f"length={length}", "vocab=6"),
                              num_envs=envs, num_steps=steps)
         env = P.make_env(config)
@@ -5893,9 +5905,9 @@ def test_toy_rlhf_proxy_fit_is_reproducible_and_ranks_held_out_pairs():
     of the regularised logistic loss (against scipy's optimiser); it ranks held-out pairs from B by
     their gold reward better than chance, and better with more labels; and it is blind where it
     should be: it cannot see order (a reversed response scores the same) and never saturates."""
-    P.toy_rlhf_params.cache_clear()
+    P.built_toy_rlhf_params.cache_clear()
     first = P.toy_rlhf_params(("seed=3",))
-    P.toy_rlhf_params.cache_clear()
+    P.built_toy_rlhf_params.cache_clear()
     again = P.toy_rlhf_params(("seed=3",))
     for name in ("log_bigram", "gold_weights", "proxy_weights", "gold_standard", "proxy_standard"):
         assert np.array_equal(getattr(first, name), getattr(again, name)), name
@@ -6036,6 +6048,314 @@ def test_rlhf_end_to_end_proxy_rises_and_the_sweep_writes_its_figure(toy_referen
     exact = P.markov_expectations(P.toy_rlhf_params(), P.optimal_policy(P.toy_rlhf_params(), beta))
     assert float(frontier[10]["gold_reward"]) == pytest.approx(exact["gold_reward"])
 
+
+# --- The loop with a language model: a transformer pretrained, fine-tuned, a learned reward model, PPO, DPO ---
+
+LM_ENV = ("vocab=6", "length=5")  # 7776 responses: every one listed for the exact optima
+
+
+def lm_network(shared=True, env_params=LM_ENV, transformer=(1, 2, 16)):
+    config = tiny_config(env="ToyRLHF-v0", env_params=env_params, torso="transformer", shared_trunk=shared,
+                         transformer=transformer)
+    env = P.make_env(config)
+    network = P.make_network(config, env)
+    policy = P.init_policy(jax.random.PRNGKey(3), env, network, P.HParams(), jnp.zeros((1, env.obs_dim)))
+    return env, network, policy.params
+
+
+def prefix_observations(env, tokens):
+    """The env's observation before each token of responses [n, L]: [L, n, obs_dim], by its own get_obs."""
+    p, (n, length) = env.env_params, tokens.shape
+    return np.stack([np.asarray(jax.vmap(env.env.get_obs, in_axes=(0, None))(
+        P.ToyRLHFState(time=jnp.full(n, t), tokens=jnp.asarray(np.where(np.arange(length) < t, tokens, p.vocab))), p))
+        for t in range(length)])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("shared", [True, False])
+def test_transformer_is_causal_and_its_step_is_its_whole_pass(shared):
+    """Changing token k never changes the logits or value at positions <= k (position t sees the start
+    and y_<t), and does change a later position's; the acting pass on the env's observation of a prefix
+    gives exactly the whole pass's outputs at that position (shared trunk and separate critic alike)."""
+    env, network, params = lm_network(shared)
+    p, apply = env.env_params, jax.jit(network.apply, static_argnames="whole")
+    tokens = np.random.default_rng(0).integers(0, p.vocab, (16, p.length)).astype(np.int32)
+    whole = apply(params, jnp.asarray(tokens), whole=True)
+    for k in range(p.length):
+        changed = tokens.copy()
+        changed[:, k] = (changed[:, k] + 1) % p.vocab
+        other = apply(params, jnp.asarray(changed), whole=True)
+        np.testing.assert_array_equal(other.dist.logits[:, :k + 1], whole.dist.logits[:, :k + 1])
+        np.testing.assert_array_equal(other.value[:, :k + 1], whole.value[:, :k + 1])
+        assert np.abs(other.dist.logits[:, k + 1:] - whole.dist.logits[:, k + 1:]).max() > 1e-4
+        assert np.abs(other.value[:, k + 1:] - whole.value[:, k + 1:]).max() > 1e-6
+    for t, obs in enumerate(prefix_observations(env, tokens)):
+        step = apply(params, jnp.asarray(obs))
+        np.testing.assert_allclose(step.dist.logits, whole.dist.logits[:, t], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(step.value, whole.value[:, t], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_a_transformers_attention_is_the_actors_and_a_critic_free_run_loads_its_policy(tmp_path):
+    """is_critic: the critic transformer and the value head are the critic's, the policy's attention (its
+    `value` projection too) is not; a critic-free run (RLOO) starts from a shared-trunk file, dropping the head."""
+    env, network, params = lm_network(shared=False)
+    paths = {"/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+    assert {p for p in paths if P.is_critic(p)} == {p for p in paths if "critic_transformer" in p or "value_head" in p}
+    assert "params/transformer/attention_0/value/kernel" in paths
+    env, network, params = lm_network(shared=True)
+    policy = P.init_policy(jax.random.PRNGKey(0), env, network, P.HParams(), jnp.zeros((1, env.obs_dim)))
+    (tmp_path / "params.msgpack").write_bytes(P.serialization.to_bytes(jax.tree.map(lambda x: x[None], policy)))
+    config = tiny_config(env="ToyRLHF-v0", env_params=LM_ENV, torso="transformer", shared_trunk=True,
+                         transformer=(1, 2, 16), adv_estimator="rloo", num_steps=20)
+    free = P.make_network(config, P.make_env(config))
+    loaded = P.read_policies(config, P.make_env(config), free, str(tmp_path / "params.msgpack"), "t")
+    assert "value_head" not in loaded.params["params"]
+    chex.assert_trees_all_equal(jax.tree.map(lambda x: x[0], loaded.params["params"]["transformer"]),
+                                policy.params["params"]["transformer"])
+
+
+@pytest.mark.fast
+def test_sequence_log_prob_is_the_sum_of_per_token_log_softmax_and_the_loss_its_cross_entropy():
+    """log pi(y), teacher-forced in one pass, against a NumPy loop over tokens of the acting pass's logits
+    (log-softmax by hand, float64); lm_loss is the mean negative log-likelihood per token of the batch."""
+    env, network, params = lm_network()
+    p = env.env_params
+    tokens = np.random.default_rng(1).integers(0, p.vocab, (6, p.length)).astype(np.int32)
+    by_hand = np.zeros(len(tokens))
+    for t, obs in enumerate(prefix_observations(env, tokens)):
+        logits = np.asarray(network.apply(params, jnp.asarray(obs)).dist.logits, np.float64)
+        log_softmax = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(
+            1, keepdims=True)
+        by_hand += log_softmax[np.arange(len(tokens)), tokens[:, t]]
+    found = np.asarray(P.sequence_log_probs(network, params, jnp.asarray(tokens)), np.float64)
+    np.testing.assert_allclose(found.sum(1), by_hand, rtol=1e-5)
+    assert float(P.lm_loss(network, params, jnp.asarray(tokens))) == pytest.approx(-by_hand.sum() / tokens.size,
+                                                                                   rel=1e-5)
+
+
+@pytest.mark.fast
+def test_bradley_terry_dpo_and_ipo_losses_and_gradients_as_derived():
+    """BT: -mean log sigmoid(s d), d = r1 - r2, s = +-1; d/dr1 = -s sigmoid(-s d) / n. DPO: -mean log
+    sigmoid(beta h), h = s (l1 - l2), d/dl1 = -beta s sigmoid(-beta h) / n; IPO: mean (h - 1/(2 beta))^2,
+    d/dl1 = 2 s (h - 1/(2 beta)) / n. Against these by hand, in float64."""
+    rng = np.random.default_rng(2)
+    first, second = rng.normal(size=9) * 3, rng.normal(size=9) * 3
+    preferred = (rng.random(9) < 0.5).astype(np.float64)
+    sign, sigmoid = 2 * preferred - 1, lambda x: 1 / (1 + np.exp(-x))
+    d = first - second
+    loss, grad = jax.value_and_grad(P.bradley_terry_loss)(first, second, preferred)
+    assert float(loss) == pytest.approx(np.mean(-np.log(sigmoid(sign * d))), rel=1e-6)
+    np.testing.assert_allclose(grad, -sign * sigmoid(-sign * d) / 9, rtol=1e-5)
+    for beta in (0.1, 1.0):
+        h = sign * d
+        loss, grad = jax.value_and_grad(P.preference_loss)(first, second, preferred, beta, "dpo")
+        assert float(loss) == pytest.approx(np.mean(-np.log(sigmoid(beta * h))), rel=1e-6)
+        np.testing.assert_allclose(grad, -beta * sign * sigmoid(-beta * h) / 9, rtol=1e-5)
+        loss, grad = jax.value_and_grad(P.preference_loss)(first, second, preferred, beta, "ipo")
+        assert float(loss) == pytest.approx(np.mean((h - 0.5 / beta) ** 2), rel=1e-6)
+        np.testing.assert_allclose(grad, 2 * sign * (h - 0.5 / beta) / 9, rtol=1e-5)
+
+
+@pytest.mark.fast
+def test_enumerated_optimum_is_the_backward_recursion_and_best_of_n_is_brute_force():
+    """Listing every response, pi*_beta ∝ B exp(proxy / beta) (the proxy a sum over tokens, B Markov) gives
+    the recursion's gold, proxy and KL (optimal_policy, markov_expectations); best-of-n of a 4-response
+    env, ties included, is the distribution of the best of every n-tuple of draws counted by hand."""
+    p = P.toy_rlhf_params(LM_ENV)
+    tokens = P.all_responses(p.vocab, p.length)
+    assert len(tokens) == 7776 and len({tuple(y) for y in tokens}) == 7776
+    log_b = P.sequence_fluency(tokens, np.asarray(p.log_bigram, np.float64))
+    truth = P.Enumerated(log_b, P.proxy_reward(tokens, p), P.gold_reward(tokens, p))
+    for beta in (0.1, 0.5, 2.0):
+        exact = P.markov_expectations(p, P.optimal_policy(p, beta))
+        listed = truth.optimum(beta)
+        for name in ("gold_reward", "proxy_reward", "kl"):
+            assert listed[name] == pytest.approx(exact[name], rel=1e-4, abs=1e-5), (beta, name)
+    ref, reward, gold = np.array([0.1, 0.2, 0.3, 0.4]), np.array([1.0, 0.0, 1.0, 2.0]), np.array([5.0, 6.0, 7.0, 8.0])
+    small = P.Enumerated(np.log(ref), reward, gold)
+    for n, row in zip((1, 2, 3), small.best_of_n((1, 2, 3))):
+        chosen = np.zeros(4)
+        for draws in itertools.product(range(4), repeat=n):
+            best = [i for i in draws if reward[i] == max(reward[j] for j in draws)]
+            for i in best:  # ties broken at random: each tied draw equally
+                chosen[i] += np.prod(ref[list(draws)]) / len(best)
+        assert row["gold_reward"] == pytest.approx(chosen @ gold)
+        assert row["kl"] == pytest.approx(sum(c * np.log(c / r) for c, r in zip(chosen, ref) if c > 0), abs=1e-12)
+    for noise in (0.0, 0.2):  # IPO's reward: P(y preferred to y'), y' ~ pi_ref, by a double loop
+        rates = P.win_rates(gold, np.log(ref), 0.5, noise, tail=0.0)
+        for i in range(4):
+            by_hand = sum(r * (noise + (1 - 2 * noise) / (1 + math.exp(-0.5 * (gold[i] - g)))) for r, g in zip(ref, gold))
+            assert rates[i] == pytest.approx(by_hand, rel=1e-12)
+
+
+def readme_lm_commands() -> dict[str, list[str]]:
+    """The README's commands of the loop with a language model, by stage (PPO's: "ppo"), at the tests' size:
+    vocab 6, length 5 (7776 responses) and a transformer of 1 layer, 2 heads, width 32."""
+    commands = {}
+    for line in open(README).read().splitlines():
+        if line.startswith("python ppo_jax.py --env ToyRLHF-v0 --env-params vocab=8 length=6"):
+            argv = [{"vocab=8": "vocab=6", "length=6": "length=5"}.get(a, a) for a in line.split("#")[0].split()[2:]]
+            stage = argv[argv.index("--lm-stage") + 1] if "--lm-stage" in argv else "ppo"
+            commands[stage] = [*argv, "--transformer", "1", "2", "32"]
+    assert list(commands) == ["pretrain", "sft", "reward", "ppo", "dpo"]
+    return commands
+
+
+@pytest.fixture(scope="module")
+def lm_loop(tmp_path_factory):
+    """The README's first three stages, from its text, at a small size, in a directory of their own (their
+    runs/lm/... paths are relative): pretrain on B, SFT on the best of B's by gold, a reward model on pairs
+    of SFT samples labelled by gold. -> (the runs/lm directory, the README's commands, each stage's summary)"""
+    root, here = tmp_path_factory.mktemp("lm"), os.getcwd()
+    commands, stages = readme_lm_commands(), {}
+    os.chdir(root)
+    try:
+        for stage, steps in (("pretrain", 600), ("sft", 300), ("reward", 600)):
+            stages[stage] = P.main([*commands[stage], "--lm-data", "2048", "--lm-steps", str(steps)])
+    finally:
+        os.chdir(here)
+    return root / "runs" / "lm", commands, stages
+
+
+def test_lm_pretraining_nears_the_languages_perplexity_and_sft_moves_towards_gold(lm_loop):
+    """Pretraining brings held-out perplexity within 3 % of B's own (exact: exp(H(B) / L)); SFT's samples
+    score higher gold than the pretrained model's, and each stage writes its outputs."""
+    root, _, stages = lm_loop
+    pretrain, sft = stages["pretrain"], stages["sft"]
+    assert pretrain["heldout_perplexity"] < 1.03 * pretrain["language_perplexity"]
+    assert pretrain["heldout_perplexity"] > 0.97 * pretrain["language_perplexity"]  # no model beats B on B's samples
+    assert sft["sample_gold_reward"] > pretrain["sample_gold_reward"] + 0.5
+    for stage in stages:
+        assert {"config.json", "params.msgpack", "metrics.csv", "lm.png", "summary.json"} <= set(os.listdir(root / stage))
+    rows = list(csv.DictReader(open(root / "pretrain" / "metrics.csv")))
+    assert len(rows) == P.LM_EVALS and float(rows[-1]["heldout_loss"]) < float(rows[0]["heldout_loss"])
+
+
+def test_reward_model_ranks_held_out_pairs_and_the_env_pays_its_score(lm_loop, tmp_path):
+    """The reward model's held-out accuracy on gold's noisy labels is above chance and near gold's own
+    (the ceiling), its score correlates with gold; with mode=learned the env pays the standardised
+    score (the value head after the last token) at the last token and nothing before."""
+    root, _, stages = lm_loop
+    reward = stages["reward"]
+    assert reward["heldout_accuracy"] > 0.5 + 0.5 * (reward["gold_heldout_accuracy"] - 0.5)
+    assert reward["gold_correlation"] > 0.5
+    p = P.toy_rlhf_params((*LM_ENV, "mode=learned", f"reward_model={root / 'reward'}"))
+    rm_config = P.load_run_config(str(root / "reward"), "test")
+    rm_network = P.make_network(rm_config, P.make_env(rm_config))
+    rm_params = P.read_policies(rm_config, P.make_env(rm_config), rm_network, str(root / "reward"), "test").params
+    state = jax.vmap(P.ToyRLHF().reset_env, in_axes=(0, None))(jax.random.split(jax.random.PRNGKey(0), 3), p)[1]
+    step = jax.jit(lambda key, state, action: jax.vmap(P.ToyRLHF().step_env, in_axes=(None, 0, 0, None))(
+        key, state, action, p))
+    actions = np.random.default_rng(3).integers(0, p.vocab, (p.length, 3))
+    for t in range(p.length):
+        obs, state, paid, done, info = step(jax.random.PRNGKey(t), state, jnp.asarray(actions[t]))
+        if t < p.length - 1:
+            np.testing.assert_array_equal(paid, 0.0)
+    score = np.asarray(rm_network.apply(jax.tree.map(lambda x: x[0], rm_params), jnp.asarray(actions.T),
+                                        whole=True).value[:, -1])
+    np.testing.assert_allclose(paid, (score - p.rm_standard[0]) / p.rm_standard[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(info["proxy_reward"], paid)
+    assert np.all(np.asarray(done))
+    for overrides, words in ((("vocab=6", "length=4"), ["scores responses of 5 tokens of 6", "length=4"]),
+                             (LM_ENV, ["not a reward model", "--lm-stage pretrain"])):
+        model = root / ("reward" if "length=4" in overrides else "pretrain")
+        with pytest.raises(P.ConfigError) as error:
+            P.toy_rlhf_params((*overrides, "mode=learned", f"reward_model={model}"))
+        assert all(word in str(error.value) for word in words), str(error.value)
+
+
+@contextlib.contextmanager
+def working_directory(path):
+    here = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+def test_ppo_against_the_learned_reward_model_reaches_its_exact_optimum(lm_loop, tmp_path, capsys):
+    """The README's PPO command (the transformer policy and value head, leashed to the SFT model, against the
+    learned reward model) at beta 0.3, 2 seeds: its final reward-model score and KL per response within 10 %
+    of pi*_beta's (every response listed, the same reward and reference); a sweep over beta writes the
+    exact frontier and each end point's optimum."""
+    root, commands, _ = lm_loop
+    with working_directory(root.parent.parent):  # the README's paths: runs/lm/...
+        result = P.main([*commands["ppo"], "--ref-kl-coef", "0.3", "--num-steps", "10", "--total-timesteps",
+                         str(64 * 10 * 60), "--num-seeds", "2", "--run-dir", str(tmp_path / "ppo"), "--quiet",
+                         "--table-rows", "0"])
+        config = P.load_run_config(str(tmp_path / "ppo"), "t")
+        truth = P.enumerated_truth(config, P.toy_rlhf_params(config.env_params))
+        exact = truth.optimum(0.3)
+        for name, key in (("proxy_reward", "proxy_reward"), ("ref_kl_seq", "kl")):
+            found = P.final_return(result.metrics, name=name)
+            np.testing.assert_allclose(found, exact[key], rtol=0.1, err_msg=name)
+        spec = tmp_path / "lm.toml"
+        spec.write_text(f'[base]\nenv = "ToyRLHF-v0"\nenv_params = {list(config.env_params)}\n'
+                        f'torso = "transformer"\nshared_trunk = true\ntransformer = [1, 2, 32]\n'
+                        f'init_params = "runs/lm/sft"\nref_params = "runs/lm/sft"\nnum_steps = 10\n'
+                        f'total_timesteps = {64 * 10 * 4}\n[[grid]]\nref_kl_coef = [0.3, 3.0]\n'.replace("'", '"'))
+        P.main(["--sweep", str(spec), "--run-dir", str(tmp_path / "sweep"), "--quiet"])
+    assert "reward model reward: exact pi*_beta's gold peaks at" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "rlhf_endpoints.csv")))
+    for row in rows:
+        optimum = truth.optimum(float(row["ref_kl_coef"]))
+        for name in ("gold_reward", "proxy_reward", "kl"):
+            assert float(row[f"exact_{name}"]) == pytest.approx(optimum[name], rel=1e-6)
+    frontier = [r for r in csv.DictReader(open(tmp_path / "sweep" / "rlhf_frontier.csv")) if r["curve"] == "best_of_n"]
+    assert [int(r["beta_or_n"]) for r in frontier] == [2**k for k in range(11)]
+    assert float(frontier[0]["kl"]) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_dpo_and_ipo_end_points_are_exact_and_agree_with_sampling(lm_loop, tmp_path, capsys):
+    """The README's DPO command (two betas x two seeds in one program), and IPO, on the reward model's own
+    pairs: their end points (every response listed) give the KL to the SFT model that Monte Carlo over the
+    policy's own samples estimates, and beside each, pi*_beta of the labels' reward."""
+    root, commands, _ = lm_loop
+    with working_directory(root.parent.parent):
+        for stage in ("dpo", "ipo"):
+            argv = [stage if a == "dpo" else a for a in commands["dpo"]]
+            summary = P.main([*argv, "--lm-betas", "0.3", "1", "--num-seeds", "2", "--lm-steps", "100",
+                              "--lm-data", "2048", "--run-dir", str(tmp_path / stage)])  # (the fixture's size)
+            rows = summary["endpoints"]
+            assert [(r["beta"], r["seed"]) for r in rows] == [(0.3, 0), (0.3, 1), (1.0, 0), (1.0, 1)]
+            config = P.load_run_config(str(tmp_path / stage), "t")
+            env = P.make_env(config)
+            network = P.make_network(config, env)
+            policies = P.read_policies(config, env, network, str(tmp_path / stage), "t")
+            reference = P.load_policy(config, env, network, config.init_params, "t")
+            tokens, log_pi = P.policy_responses(config, policies, 1 << 13)
+            for a, row in enumerate(rows):
+                log_ref = P.policy_log_probs(network, reference.params, np.asarray(tokens[a]))
+                sampled = np.mean(np.asarray(log_pi[a], np.float64) - log_ref)
+                assert row["kl"] == pytest.approx(sampled, rel=0.1, abs=0.02), (stage, row, sampled)
+                assert row["kl"] > 0.01 and row["optimum_kl"] > 0
+            if stage == "dpo":  # the reward model's pairs and labels, drawn again from the same stream
+                p = env.env_params
+                mine = P.lm_stage_data(config, p, network, reference)[0]
+                theirs = P.lm_stage_data(P.load_run_config("runs/lm/reward", "t"), p, network, reference)[0]
+                for name in ("first", "second", "preferred"):
+                    np.testing.assert_array_equal(mine[name], theirs[name])
+    assert "beta 0.3 seed 0: gold" in capsys.readouterr().out
+
+
+def test_lm_rlhf_spec_runs_the_readmes_reward_models():
+    """sweeps/lm_rlhf.toml (resolved only where its reward models exist): PPO at the README's size against the
+    reward models the README's commands write (runs/lm/reward, reward_1024, reward_256), GAE and RLOO, over
+    beta, ranked by gold."""
+    spec = tomllib.loads(open(os.path.join(os.path.dirname(P.__file__), "sweeps", "lm_rlhf.toml")).read())
+    assert spec["rank_by"] == "gold_reward" and spec["base"]["torso"] == "transformer"
+    models = [dict(o.split("=") for o in s.get("env_params", spec["base"]["env_params"]))["reward_model"]
+              for s in spec["static"]]
+    assert models == ["runs/lm/reward", "runs/lm/reward_1024", "runs/lm/reward_256", "runs/lm/reward"]
+    readme = open(README).read()
+    for model in set(models):
+        assert f"--run-dir {model}" in readme
+    assert spec["base"]["init_params"] == spec["base"]["ref_params"] == "runs/lm/sft" and "--run-dir runs/lm/sft" in readme
+    base = readme_lm_commands()["ppo"]
+    assert [o for o in spec["base"]["env_params"] if o.startswith(("vocab", "length"))] == ["vocab=8", "length=6"]
+    assert "--num-steps" in base and spec["base"]["num_steps"] == 12
 
 # --- EnvPool: the PPO paper's own simulators, stepped from inside the program ------------------------
 
