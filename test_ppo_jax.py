@@ -6342,13 +6342,13 @@ def test_dpo_and_ipo_end_points_are_exact_and_agree_with_sampling(lm_loop, tmp_p
 
 def test_lm_rlhf_spec_runs_the_readmes_reward_models():
     """sweeps/lm_rlhf.toml (resolved only where its reward models exist): PPO at the README's size against the
-    reward models the README's commands write (runs/lm/reward, reward_1024, reward_256), GAE and RLOO, over
+    reward models the README's commands write (runs/lm/reward, reward_256), GAE and RLOO, over
     beta, ranked by gold."""
     spec = tomllib.loads(open(os.path.join(os.path.dirname(P.__file__), "sweeps", "lm_rlhf.toml")).read())
     assert spec["rank_by"] == "gold_reward" and spec["base"]["torso"] == "transformer"
     models = [dict(o.split("=") for o in s.get("env_params", spec["base"]["env_params"]))["reward_model"]
               for s in spec["static"]]
-    assert models == ["runs/lm/reward", "runs/lm/reward_1024", "runs/lm/reward_256", "runs/lm/reward"]
+    assert models == ["runs/lm/reward", "runs/lm/reward_256", "runs/lm/reward"]
     readme = open(README).read()
     for model in set(models):
         assert f"--run-dir {model}" in readme
