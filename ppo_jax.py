@@ -6941,7 +6941,7 @@ def lm_stage_command(config: Config) -> dict[str, Any]:
     """--lm-stage from the command line: the stage, then its summary in a few lines."""
     agents = len(config.lm_betas) * config.num_seeds if config.lm_stage in ("dpo", "ipo") else 1
     print(f"ppo_jax: {config.env} --lm-stage {config.lm_stage}, {config.lm_steps} steps of {config.lm_batch_size} "
-          f"on {config.lm_data} {'pairs' if config.lm_stage in STAGE_DATA and STAGE_DATA[config.lm_stage] == 3 else 'sequences'}"
+          f"on {config.lm_data} {'sequences' if config.lm_stage in ('pretrain', 'sft') else 'pairs'}"
           + (f", {agents} policies" if agents > 1 else ""))
     summary = run_lm_stage(config)
     shown = {k: v for k, v in summary.items() if k not in ("stage", "endpoints")}
