@@ -6588,8 +6588,12 @@ def kl_to_language(run_dir: str, num: int = 1 << 14) -> np.ndarray:
                    axis=1)
 
 
-def exact_frontier(p: ToyRLHFParams, betas: Sequence[float] = tuple(np.logspace(-2, 1.5, 36)),
-                   ns: Sequence[int] = tuple(2**k for k in range(11))) -> dict[str, list[dict]]:
+FRONTIER_BETAS = tuple(np.logspace(-2, 1.5, 36))  # the exact curves' leash coefficients (pi*_beta) ...
+FRONTIER_NS = tuple(2**k for k in range(11))  # ... and best-of-n's n
+
+
+def exact_frontier(p: ToyRLHFParams, betas: Sequence[float] = FRONTIER_BETAS,
+                   ns: Sequence[int] = FRONTIER_NS) -> dict[str, list[dict]]:
     """The ground truth the PPO runs are measured against: {"optimum": gold, proxy, fluency and KL of
     pi*_beta for each beta, "best_of_n": the same for n = 1 ... 1024}."""
     optimum = [{"beta": float(beta), **markov_expectations(p, optimal_policy(p, beta))} for beta in betas]
@@ -6823,13 +6827,12 @@ def demonstrations(p: ToyRLHFParams, rng: np.random.Generator, num: int) -> np.n
     return pool[np.argsort(-gold_reward(pool, p), kind="stable")[:num]]
 
 
-def comparisons(config: Config, p: ToyRLHFParams, rng: np.random.Generator, num: int, key) -> dict[str, np.ndarray]:
-    """num pairs of responses sampled from --ref-params (the SFT model), labelled by gold's Bradley-Terry model,
-    P(y_1 preferred) = sigmoid(--label-scale (gold(y_1) - gold(y_2))), a --label-noise fraction of the labels
-    flipped."""
-    reference = config.ref_params or config.init_params
-    policies = read_policies(config, make_env(config), make_network(config, make_env(config)), reference, "--ref-params")
-    policies = jax.tree.map(lambda x: x[config.params_index:config.params_index + 1], policies)
+def comparisons(config: Config, p: ToyRLHFParams, reference: Policy, rng: np.random.Generator, num: int,
+                key) -> dict[str, np.ndarray]:
+    """num pairs of responses sampled from the reference policy (--ref-params: the SFT model), labelled by gold's
+    Bradley-Terry model, P(y_1 preferred) = sigmoid(--label-scale (gold(y_1) - gold(y_2))), a --label-noise
+    fraction of the labels flipped."""
+    policies = jax.tree.map(lambda x: x[None], reference)
     tokens = np.asarray(responses_program(dataclasses.replace(config, num_seeds=1), 2 * num)(
         policies, key[None])[0][0])
     first, second = tokens[:num], tokens[num:]
@@ -6849,7 +6852,7 @@ def lm_stage_data(config: Config, p: ToyRLHFParams, network: ActorCritic, refere
         data = {"tokens": demonstrations(p, rng, total)}
     else:
         key = jax.random.fold_in(jax.random.PRNGKey(config.seed), STAGE_DATA[config.lm_stage])
-        data = comparisons(config, p, rng, total, key)
+        data = comparisons(config, p, reference, rng, total, key)
         if config.lm_stage in ("dpo", "ipo"):  # log pi_ref of every response, once
             for name in ("first", "second"):
                 data[f"{name}_ref"] = policy_log_probs(network, reference.params, data[name])
@@ -6976,7 +6979,7 @@ class Enumerated:
         self.log_ref, self.reward, self.gold = (np.asarray(x, np.float64) for x in (log_ref, reward, gold))
         self.log_ref -= np.logaddexp.reduce(self.log_ref)  # a model's log-probabilities sum to 1 up to rounding
 
-    def expectations(self, log_pi, reward=None) -> dict[str, float]:
+    def expectations(self, log_pi) -> dict[str, float]:
         """gold, reward (proxy_reward) and KL[pi || pi_ref] of the policy log_pi [n]."""
         pi = np.exp(log_pi)
         return {"gold_reward": float(pi @ self.gold), "proxy_reward": float(pi @ self.reward),
@@ -7003,7 +7006,7 @@ class Enumerated:
             rows.append({"n": int(n), **self.expectations(np.where(ref > 0, log_pi, -np.inf))})
         return rows
 
-    def frontier(self, betas=tuple(np.logspace(-2, 1.5, 36)), ns=tuple(2**k for k in range(11))) -> dict:
+    def frontier(self, betas=FRONTIER_BETAS, ns=FRONTIER_NS) -> dict:
         return {"optimum": [self.optimum(beta) for beta in betas], "best_of_n": self.best_of_n(ns)}
 
 
@@ -7064,7 +7067,7 @@ def preference_endpoints(config: Config, p: ToyRLHFParams, network: ActorCritic,
         found, best = truth.expectations(log_pi), truth.optimum(beta, reward=labels)
         rows.append({"beta": beta, "seed": seed, "gold_reward": found["gold_reward"], "kl": found["kl"],
                      "optimum_gold_reward": best["gold_reward"], "optimum_kl": best["kl"]})
-    curve = [truth.optimum(beta, reward=labels) for beta in np.logspace(-2, 1.5, 36)]
+    curve = [truth.optimum(beta, reward=labels) for beta in FRONTIER_BETAS]
     return rows, curve
 
 
