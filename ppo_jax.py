@@ -2414,8 +2414,7 @@ class VecEnv:
         """keys: [N] keys for the env's own randomness; action: [N] int32 (discrete) or
         [N, action_dim] float32 (continuous, unclipped); resets: one step of resets(), the
         states envs whose episode ends now continue from."""
-        if not self.discrete:
-            action = jnp.clip(action.reshape(self.num_envs, *self.action_shape), self.action_low, self.action_high)
+        action = self.bounded(action)
         if self.own_step:
             obs, env_state, reward, terminated, truncated, info = jax.vmap(
                 self.env.step, in_axes=(0, 0, 0, None)
@@ -2439,21 +2438,32 @@ class VecEnv:
                 obs, env_state = jax.lax.cond(jnp.any(done), reset_ended, lambda: (obs, env_state))
             else:
                 obs, env_state = select(done, resets, (obs, env_state))
-        episode_return = state.episode_return + reward
+        metrics = {name: env_info[name].astype(jnp.float32) for name in self.episode_metrics}
+        state, info = self.account(state, env_state, reward, done, final_obs, metrics)
+        return obs, state, reward, terminated, truncated, info
+
+    def bounded(self, action):
+        """The policy's action as the env takes it: continuous ones [N, *action_shape], clipped to its bounds."""
+        if self.discrete:
+            return action
+        return jnp.clip(action.reshape(self.num_envs, *self.action_shape), self.action_low, self.action_high)
+
+    @staticmethod
+    def account(state: EnvState, env_state, score, episode_end, final_obs, episode_metrics) -> tuple[EnvState, dict]:
+        """The episode accounting every VecEnv shares: the running return (of `score`: the reward, or Atari's
+        unclipped game score) and length, reported in info and restarted where the reported episode ends
+        (`episode_end`) -> (the next EnvState, with env_state, info)."""
+        episode_return = state.episode_return + score
         episode_length = state.episode_length + 1
         info = {
             "final_observation": final_obs,
-            "episode_return": episode_return,  # meaningful where done
+            "episode_return": episode_return,  # meaningful where episode_end
             "episode_length": episode_length,
-            "episode_metrics": {name: env_info[name].astype(jnp.float32) for name in self.episode_metrics},
-            "episode_end": done,  # the episode reported (its return and length) ended here
+            "episode_metrics": episode_metrics,
+            "episode_end": episode_end,  # the episode reported (its return and length) ended here
         }
-        state = EnvState(
-            env_state,
-            jnp.where(done, 0.0, episode_return),
-            jnp.where(done, 0, episode_length),
-        )
-        return obs, state, reward, terminated, truncated, info
+        return EnvState(env_state, jnp.where(episode_end, 0.0, episode_return),
+                        jnp.where(episode_end, 0, episode_length)), info
 
 
 # A Brax env seen through gymnax's interface, so VecEnv and everything after it treat it as any other
@@ -3154,16 +3164,9 @@ class EnvPoolEnv(VecEnv):
         return None
 
     def step(self, keys, state: EnvState, action, resets):
-        if not self.discrete:
-            action = jnp.clip(action.reshape(self.num_envs, *self.action_shape), self.action_low, self.action_high)
-        numbers, obs, final_obs, reward, score, terminated, truncated, episode_end = self.host_step(state.env_state,
-                                                                                                   action)
-        episode_return = state.episode_return + score
-        episode_length = state.episode_length + 1
-        info = {"final_observation": self._flat(final_obs), "episode_return": episode_return,
-                "episode_length": episode_length, "episode_metrics": {}, "episode_end": episode_end}
-        state = EnvState(numbers, jnp.where(episode_end, 0.0, episode_return),
-                         jnp.where(episode_end, 0, episode_length))
+        numbers, obs, final_obs, reward, score, terminated, truncated, episode_end = self.host_step(
+            state.env_state, self.bounded(action))
+        state, info = self.account(state, numbers, score, episode_end, self._flat(final_obs), {})
         return self._flat(obs), state, reward, terminated, truncated, info
 
 
