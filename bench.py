@@ -6,7 +6,7 @@
     python bench.py --gpu      # on an accelerator: 1 to 2048 CartPole agents x 5e5 steps, brax:ant x 5e7
     python bench.py --no-plain # without the plain-PPO yardstick (below)
     python bench.py --sweep-outputs 100 10 1000   # a sweep's files at scale: 100 points x 10 seeds x 1000 updates
-    python bench.py --envpool  # EnvPool's envs: its own Python loop, the program's host round trip, PPO (pip install -r requirements-envpool.txt)
+    python bench.py --envpool  # EnvPool's envs: its own Python loop, the program's host round trip, PPO and A2C (pip install -r requirements-envpool.txt); ale-py's vector env beside it if installed
     python bench.py --pbt      # population-based training's cost: the same sweep with and without its exploit steps
 
 Prints a table and writes bench.json (the figures, the machine, the versions). Each config runs in
@@ -455,7 +455,48 @@ def envpool_figures(repeats: int) -> dict:
                       "round_trip_us_per_step": round((program_s - python_s) / steps * 1e6, 1),
                       "ppo_steps_per_s": round(ppo_per_s), "env_share_of_ppo": round(ppo_per_s / env_per_s, 3)}
         print(f"  {name}: {rows[name]}", flush=True)
-    return rows
+    config = ppo_jax.default_config("envpool:Breakout-v5", algo="a2c")  # A2C's Atari update: 16 envs x 5 steps
+    config = dataclasses.replace(config, total_timesteps=20 * config.batch_size, checkpoint_every=20)
+    result = ppo_jax.run_batch(config, ppo_jax.seed_keys(config), ppo_jax.stack_hparams([config.hparams]), timed_runs=1)
+    rows["breakout_a2c"] = {"env": config.env, "num_envs": config.num_envs, "ppo_steps_per_s": round(result.steps_per_second)}
+    print(f"  breakout_a2c: {rows['breakout_a2c']}", flush=True)
+    return {**rows, **ale_py_figures(repeats)}
+
+
+def ale_py_figures(repeats: int, num_envs: int = 8, steps: int = 512) -> dict:
+    """Breakout through ale-py's own vector env (ale_py.vector_env.AtariVectorEnv, 0.12) beside EnvPool's,
+    with the same preprocessing (84 x 84 grayscale, 4 frames stacked, frame skip 4, 30 no-ops, episodic
+    life, clipped rewards): env steps/s of each one's Python loop and of each one's XLA op in a jitted
+    lax.scan. Empty (and a line saying how to get it) without ale-py."""
+    try:
+        from ale_py.vector_env import AtariVectorEnv
+    except ImportError:
+        print("  ale-py: not installed (pip install ale-py==0.12.1 for its row)", flush=True)
+        return {}
+    import envpool
+    import jax
+    import jax.numpy as jnp
+
+    actions = np.random.default_rng(0).integers(0, 4, (steps, num_envs)).astype(np.int32)
+    pools = {"envpool": envpool.make("Breakout-v5", env_type="gymnasium", num_envs=num_envs, episodic_life=True,
+                                     reward_clip=True, noop_max=30, seed=0),
+             "ale_py": AtariVectorEnv("breakout", num_envs=num_envs, episodic_life=True, reward_clipping=True,
+                                      noop_max=30, repeat_action_probability=0.0)}
+    row = {}
+    for name, pool in pools.items():
+        pool.reset(seed=0) if name == "ale_py" else pool.reset()
+        handle, *_, step = pool.xla()  # both: (handle, ..., step(handle, actions) -> (handle, outputs))
+
+        def in_program(handle, step=step):
+            return jax.lax.scan(lambda h, a: (step(h, a)[0], None), handle, jnp.asarray(actions))[0]
+
+        program = jax.jit(in_program)
+        row[f"{name}_python_loop_steps_per_s"] = round(steps * num_envs / timed(lambda pool=pool: [pool.step(a) for a in actions],
+                                                                                 repeats=repeats))
+        row[f"{name}_xla_steps_per_s"] = round(steps * num_envs / timed(
+            lambda program=program, handle=handle: jax.block_until_ready(program(handle)), repeats=repeats))
+    print(f"  ale_py_vs_envpool (Breakout, {num_envs} envs): {row}", flush=True)
+    return {"ale_py_vs_envpool": {"env": "Breakout", "num_envs": num_envs, **row}}
 
 
 def pbt_overhead(repeats: int) -> dict:

@@ -1032,6 +1032,20 @@ class NetworkOutput:
     extras: dict[str, jax.Array] = struct.field(default_factory=dict)
 
 
+def image_patches(image, size: int, stride: int, pad: int = 0):
+    """The size x size patches of images [B, H, W, C] at a stride, zero-padded by `pad` on each side ->
+    [B, H', W', C * size * size], feature c * size * size + i * size + j (pixel (i, j) of the patch, channel
+    c): lax.conv_general_dilated_patches' order and values, exactly. Written as size * size strided slices:
+    that function is a convolution with a one-hot kernel, which costs more than the layer's own matmul
+    (docs/speed.md, "The Nature torso's convolutions")."""
+    image = jnp.pad(image, ((0, 0), (pad, pad), (pad, pad), (0, 0))) if pad else image
+    batch, height, width, channels = image.shape
+    rows, cols = (height - size) // stride + 1, (width - size) // stride + 1
+    pixels = [image[:, i:i + stride * (rows - 1) + 1:stride, j:j + stride * (cols - 1) + 1:stride]
+              for i in range(size) for j in range(size)]
+    return jnp.stack(pixels, axis=-1).reshape(batch, rows, cols, channels * size * size)
+
+
 class ActorCritic(nn.Module):
     """Actor and critic MLPs (separate, or one shared trunk), after a shared conv torso when
     image_shape is given and a shared GRU when recurrent_size > 0. Orthogonal init: sqrt(2) on
@@ -1097,22 +1111,15 @@ class ActorCritic(nn.Module):
 
         if self.image_shape is not None:  # flat observations [..., D]: columns image_start.. are an H x W x C image
             start, end = self.image_start, self.image_start + math.prod(self.image_shape)
-            # A 3x3 'SAME' convolution written as its 3x3 patches times a [9C, 16] kernel. Speed: on
-            # CPU, XLA's convolution gradient is slower than this one matmul (the patches are of the
-            # observation, so they need no gradient).
+            # Each convolution is its patches times a [size * size * C, width] kernel (image_patches): on
+            # CPU, XLA's convolution gradient is far slower inside the update's lax.scan (docs/speed.md).
             image = obs[..., start:end].reshape(-1, *self.image_shape)
             if self.image_torso == "nature":  # Mnih et al. 2015: 84 x 84 -> 20 x 20 x 32 -> 9 x 9 x 64 -> 7 x 7 x 64
-                # Each convolution as its patches times a [size * size * C, width] kernel, as the 3x3 one
-                # below. Speed: inside the update's lax.scan, XLA's CPU convolution gradient ran ~13x slower.
                 for i, (width, size, stride) in enumerate(((32, 8, 4), (64, 4, 2), (64, 3, 1))):
-                    patches = jax.lax.conv_general_dilated_patches(image, (size, size), (stride, stride), "VALID",
-                                                                   dimension_numbers=("NHWC", "OIHW", "NHWC"))
-                    image = nn.relu(layer(width, math.sqrt(2.0), f"conv_{i}")(patches))
+                    image = nn.relu(layer(width, math.sqrt(2.0), f"conv_{i}")(image_patches(image, size, stride)))
                 features = image
-            else:
-                patches = jax.lax.conv_general_dilated_patches(image, (3, 3), (1, 1), "SAME",
-                                                               dimension_numbers=("NHWC", "OIHW", "NHWC"))
-                features = nn.relu(layer(16, math.sqrt(2.0), "conv")(patches))  # [B, H, W, 16]
+            else:  # one 3x3 'SAME' convolution
+                features = nn.relu(layer(16, math.sqrt(2.0), "conv")(image_patches(image, 3, 1, pad=1)))  # [B, H, W, 16]
             features = features.reshape(*obs.shape[:-1], -1)  # [..., H * W * 16]; nature: [..., 3136]
             beside = [obs[..., :start], obs[..., end:]]  # a grid's other fields, flat (a pure image: none)
             obs = jnp.concatenate([features, *beside], axis=-1) if start or end < obs.shape[-1] else features

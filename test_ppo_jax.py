@@ -2132,6 +2132,39 @@ def test_cnn_torso_is_a_3x3_convolution_shared_by_actor_and_critic():
         P.validate(tiny_config(torso="cnn"))
 
 
+def test_nature_torso_is_the_dqn_convolutions_and_its_patches_are_laxs():
+    """--torso nature (Mnih et al. 2015) against lax.conv_general_dilated with the same kernels: 8x8 /4,
+    4x4 /2, 3x3 /1 (32, 64, 64 filters, VALID, ReLU), then the 512 layer. image_patches, which both conv
+    torsos use, gives lax.conv_general_dilated_patches' values in its order, exactly, at every stride
+    and padding the torsos take."""
+    for shape, size, stride, pad in (((2, 84, 84, 4), 8, 4, 0), ((2, 20, 20, 32), 4, 2, 0), ((2, 9, 9, 64), 3, 1, 0),
+                                     ((3, 10, 10, 7), 3, 1, 1), ((1, 11, 13, 2), 3, 2, 1)):
+        images = jax.random.normal(jax.random.PRNGKey(size * stride + pad), shape)
+        lax_patches = jax.lax.conv_general_dilated_patches(images, (size, size), (stride, stride), ((pad, pad),) * 2,
+                                                           dimension_numbers=("NHWC", "OIHW", "NHWC"))
+        np.testing.assert_array_equal(P.image_patches(images, size, stride, pad), lax_patches)
+
+    network = P.ActorCritic(action_dim=6, discrete=True, hidden_sizes=(512,), activation="relu", shared_trunk=True,
+                            image_shape=(84, 84, 4), image_torso="nature")
+    obs = jax.random.uniform(jax.random.PRNGKey(0), (3, 84 * 84 * 4))
+    params = network.init(jax.random.PRNGKey(1), obs)["params"]
+    x = obs.reshape(3, 84, 84, 4)
+    for i, (width, size, stride) in enumerate(((32, 8, 4), (64, 4, 2), (64, 3, 1))):
+        kernel = params[f"conv_{i}"]["kernel"]
+        channels = kernel.shape[0] // (size * size)
+        hwio = kernel.reshape(channels, size, size, width).transpose(1, 2, 0, 3)  # [C * k * k, F] -> HWIO
+        x = jax.nn.relu(jax.lax.conv_general_dilated(x, hwio, (stride, stride), "VALID",
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+                        + params[f"conv_{i}"]["bias"])
+    assert x.shape == (3, 7, 7, 64)
+    hidden = jax.nn.relu(x.reshape(3, -1) @ params["trunk_0"]["kernel"] + params["trunk_0"]["bias"])
+    out = network.apply({"params": params}, obs)
+    np.testing.assert_allclose(out.value, (hidden @ params["value_head"]["kernel"] + params["value_head"]["bias"])[:, 0],
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out.dist.logits, hidden @ params["policy_head"]["kernel"]
+                               + params["policy_head"]["bias"], rtol=1e-4, atol=1e-5)
+
+
 def test_a_grid_goes_through_the_conv_torso_and_the_other_fields_beside_it():
     """Jumanji's grid fields (Snake's grid, Maze's walls) are an image for the conv torso (Snake's by
     default, --torso auto; any with --torso cnn), wherever the field lies in the flat observation; the
