@@ -6488,6 +6488,38 @@ def test_envpool_adapter_is_envpool_stepped_by_hand_without_its_reset_steps(env_
         np.testing.assert_array_equal(mine[0], pooled[1])
 
 
+def test_docs_atari_comparison_takes_the_trailing_window_of_episodes(tmp_path, capsys):
+    """docs/atari_vs_cleanrl.py (docs/results.md's Atari table): at each 250k steps, the mean game score of
+    the episodes that ended in the trailing 100k steps (each once, weighted by how many ended in an
+    update), against a plain loop over the same metrics.csv; CleanRL's read-off beside it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("atari_vs_cleanrl", os.path.join(os.path.dirname(DOCS_RESULTS), "atari_vs_cleanrl.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rng = np.random.default_rng(0)
+    updates = 600  # 1,024 steps each: past 500k
+    episodes = rng.integers(0, 3, updates)
+    returns = np.where(episodes > 0, rng.normal(0, 10, updates).round(2), np.nan)
+    (tmp_path / "config.json").write_text(json.dumps({"env": "envpool:Pong-v5"}))
+    with open(tmp_path / "metrics.csv", "w") as f:
+        f.write("update,seed,env_steps,episode_return,episodes\n")
+        for u in range(updates):
+            f.write(f"{u + 1},0,{(u + 1) * 1024},{returns[u]},{episodes[u]}\n")
+            f.write(f"{u + 1},1,{(u + 1) * 1024},999,5\n")  # another seed: not read
+    script.main([str(tmp_path)], out=str(tmp_path / "figure.png"))
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| Pong")]
+    assert [row[1] for row in rows] == ["0.25M (1M)", "0.50M (2M)"] and (tmp_path / "figure.png").exists()
+    with open(os.path.join(os.path.dirname(DOCS_RESULTS), "cleanrl_atari_readoff.csv")) as f:
+        readoff = {int(r["env_steps"]): r for r in csv.DictReader(f) if r["game"] == "Pong"}
+    for row, mark in zip(rows, (250_000, 500_000)):
+        at = next(u for u in range(updates) if (u + 1) * 1024 >= mark)  # the first update at or past the mark
+        window = [u for u in range(updates) if (at + 1) * 1024 - 100_000 < (u + 1) * 1024 <= (at + 1) * 1024]
+        total = sum(returns[u] * episodes[u] for u in window if episodes[u])
+        assert float(row[2]) == pytest.approx(total / sum(episodes[u] for u in window), abs=0.051)
+        assert row[3].startswith(f"{float(readoff[mark]['return']):.1f} [")
+
+
 def test_envpool_atari_trains_on_clipped_lives_and_reports_the_game_score():
     """Breakout as the PPO paper trained on it, against EnvPool's Python API by hand with the same options
     (episodic life, clipped rewards): the PPO's reward is the clipped one and a lost life terminates its
