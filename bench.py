@@ -458,7 +458,7 @@ def envpool_figures(repeats: int) -> dict:
     config = ppo_jax.default_config("envpool:Breakout-v5", algo="a2c")  # A2C's Atari update: 16 envs x 5 steps
     config = dataclasses.replace(config, total_timesteps=20 * config.batch_size, checkpoint_every=20)
     result = ppo_jax.run_batch(config, ppo_jax.seed_keys(config), ppo_jax.stack_hparams([config.hparams]), timed_runs=1)
-    rows["breakout_a2c"] = {"env": config.env, "num_envs": config.num_envs, "ppo_steps_per_s": round(result.steps_per_second)}
+    rows["breakout_a2c"] = {"env": config.env, "num_envs": config.num_envs, "a2c_steps_per_s": round(result.steps_per_second)}
     print(f"  breakout_a2c: {rows['breakout_a2c']}", flush=True)
     return {**rows, **ale_py_figures(repeats)}
 

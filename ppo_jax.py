@@ -1037,7 +1037,7 @@ def image_patches(image, size: int, stride: int, pad: int = 0):
     [B, H', W', C * size * size], feature c * size * size + i * size + j (pixel (i, j) of the patch, channel
     c): lax.conv_general_dilated_patches' order and values, exactly. Written as size * size strided slices:
     that function is a convolution with a one-hot kernel, which costs more than the layer's own matmul
-    (docs/speed.md, "The Nature torso's convolutions")."""
+    (docs/speed.md, "The patches as strided slices")."""
     image = jnp.pad(image, ((0, 0), (pad, pad), (pad, pad), (0, 0))) if pad else image
     batch, height, width, channels = image.shape
     rows, cols = (height - size) // stride + 1, (width - size) // stride + 1
