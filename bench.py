@@ -443,12 +443,7 @@ def envpool_figures(repeats: int) -> dict:
         program = jax.jit(in_program)
         python_s = timed(python_loop, repeats=repeats)
         program_s = timed(lambda: jax.block_until_ready(program(jax.random.PRNGKey(0))), repeats=repeats)
-        config = ppo_jax.default_config(env_id, num_envs=num_envs)
-        updates = 2 if "Breakout" in env_id else 8
-        config = dataclasses.replace(config, total_timesteps=updates * config.batch_size, checkpoint_every=updates)
-        result = ppo_jax.run_batch(config, ppo_jax.seed_keys(config), ppo_jax.stack_hparams([config.hparams]),
-                                   timed_runs=1)
-        ppo_per_s = result.steps_per_second
+        ppo_per_s = run_steps_per_s(ppo_jax.default_config(env_id, num_envs=num_envs), 2 if "Breakout" in env_id else 8)
         env_per_s = steps * num_envs / program_s
         rows[name] = {"env": env_id, "num_envs": num_envs, "python_loop_steps_per_s": round(steps * num_envs / python_s),
                       "in_program_steps_per_s": round(env_per_s),
@@ -456,11 +451,19 @@ def envpool_figures(repeats: int) -> dict:
                       "ppo_steps_per_s": round(ppo_per_s), "env_share_of_ppo": round(ppo_per_s / env_per_s, 3)}
         print(f"  {name}: {rows[name]}", flush=True)
     config = ppo_jax.default_config("envpool:Breakout-v5", algo="a2c")  # A2C's Atari update: 16 envs x 5 steps
-    config = dataclasses.replace(config, total_timesteps=20 * config.batch_size, checkpoint_every=20)
-    result = ppo_jax.run_batch(config, ppo_jax.seed_keys(config), ppo_jax.stack_hparams([config.hparams]), timed_runs=1)
-    rows["breakout_a2c"] = {"env": config.env, "num_envs": config.num_envs, "a2c_steps_per_s": round(result.steps_per_second)}
+    rows["breakout_a2c"] = {"env": config.env, "num_envs": config.num_envs,
+                            "a2c_steps_per_s": round(run_steps_per_s(config, 20))}
     print(f"  breakout_a2c: {rows['breakout_a2c']}", flush=True)
     return {**rows, **ale_py_figures(repeats)}
+
+
+def run_steps_per_s(config, updates: int) -> float:
+    """Env steps/s of a run of `config` (one program of `updates` updates, timed after its compile)."""
+    import ppo_jax
+
+    config = dataclasses.replace(config, total_timesteps=updates * config.batch_size, checkpoint_every=updates)
+    return ppo_jax.run_batch(config, ppo_jax.seed_keys(config), ppo_jax.stack_hparams([config.hparams]),
+                             timed_runs=1).steps_per_second
 
 
 def ale_py_figures(repeats: int, num_envs: int = 8, steps: int = 512) -> dict:
