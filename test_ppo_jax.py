@@ -1911,6 +1911,15 @@ def readme_block(after: str) -> str:
     return block.group(1)
 
 
+def import_file(name: str, path):
+    """The Python file at `path` imported as the module `name` (registered: dataclasses look it up)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def forked(tmp_path, *edits: tuple[str, str], name: str = "forked_ppo_jax"):
     """A copy of ppo_jax.py with each (anchor, inserted) edit: `inserted` placed just before the line
     holding `anchor` (which must occur once), imported as its own module."""
@@ -1921,11 +1930,7 @@ def forked(tmp_path, *edits: tuple[str, str], name: str = "forked_ppo_jax"):
         source = source[:start] + inserted + source[start:]
     path = tmp_path / f"{name}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return import_file(name, path)
 
 
 DOCS_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "results.md")
@@ -1940,11 +1945,7 @@ def docs_fork(tmp_path, name: str):
     (directory / "ppo_jax.py").write_text(open(P.__file__).read())
     (directory / "fork.diff").write_text(text[start:text.index("```", start)])
     subprocess.run(["git", "apply", "fork.diff"], cwd=directory, check=True, capture_output=True)
-    spec = importlib.util.spec_from_file_location(f"fork_{name}", directory / "ppo_jax.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[f"fork_{name}"] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_file(f"fork_{name}", directory / "ppo_jax.py")
 
 
 def test_docs_forks_apply_and_run(tmp_path):
@@ -6492,16 +6493,13 @@ def test_docs_atari_comparison_takes_the_trailing_window_of_episodes(tmp_path, c
     """docs/atari_vs_cleanrl.py (docs/results.md's Atari table): at each 250k steps, the mean game score of
     the episodes that ended in the trailing 100k steps (each once, weighted by how many ended in an
     update), against a plain loop over the same metrics.csv; CleanRL's read-off beside it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("atari_vs_cleanrl", os.path.join(os.path.dirname(DOCS_RESULTS), "atari_vs_cleanrl.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = import_file("atari_vs_cleanrl", os.path.join(os.path.dirname(DOCS_RESULTS), "atari_vs_cleanrl.py"))
     rng = np.random.default_rng(0)
     updates = 600  # 1,024 steps each: past 500k
     episodes = rng.integers(0, 3, updates)
     returns = np.where(episodes > 0, rng.normal(0, 10, updates).round(2), np.nan)
-    (tmp_path / "config.json").write_text(json.dumps({"env": "envpool:Pong-v5"}))
+    setting = {"update_epochs": 3, "hparams": {"anneal_clip": True, "vf_coef": 1.0}}
+    (tmp_path / "config.json").write_text(json.dumps({"env": "envpool:Pong-v5", "seed": 0, **setting}))
     with open(tmp_path / "metrics.csv", "w") as f:
         f.write("update,seed,env_steps,episode_return,episodes\n")
         for u in range(updates):
@@ -6509,15 +6507,35 @@ def test_docs_atari_comparison_takes_the_trailing_window_of_episodes(tmp_path, c
             f.write(f"{u + 1},1,{(u + 1) * 1024},999,5\n")  # another seed: not read
     script.main([str(tmp_path)], out=str(tmp_path / "figure.png"))
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| Pong")]
-    assert [row[1] for row in rows] == ["0.25M (1M)", "0.50M (2M)"] and (tmp_path / "figure.png").exists()
+    assert [row[1] for row in rows] == ["0.25M (1M)", "0.50M (2M)", "last: 0.61M (2.5M)"]
+    assert (tmp_path / "figure.png").exists()
     with open(os.path.join(os.path.dirname(DOCS_RESULTS), "cleanrl_atari_readoff.csv")) as f:
         readoff = {int(r["env_steps"]): r for r in csv.DictReader(f) if r["game"] == "Pong"}
-    for row, mark in zip(rows, (250_000, 500_000)):
+    number = lambda text: float(text.replace("\u2212", "-"))  # noqa: E731  (the docs' minus sign)
+    for row, mark in zip(rows, (250_000, 500_000, updates * 1024)):
         at = next(u for u in range(updates) if (u + 1) * 1024 >= mark)  # the first update at or past the mark
         window = [u for u in range(updates) if (at + 1) * 1024 - 100_000 < (u + 1) * 1024 <= (at + 1) * 1024]
         total = sum(returns[u] * episodes[u] for u in window if episodes[u])
-        assert float(row[2]) == pytest.approx(total / sum(episodes[u] for u in window), abs=0.051)
-        assert row[3].startswith(f"{float(readoff[mark]['return']):.1f} [")
+        assert number(row[2]) == pytest.approx(total / sum(episodes[u] for u in window), abs=0.051)
+        theirs = readoff[max(step for step in readoff if step <= mark)]  # the last reading at or before the mark
+        assert number(row[3].split(": ")[-1].split(" [")[0]) == pytest.approx(float(theirs["return"]), abs=0.051)
+    assert rows[2][3].startswith("0.60M: ")
+
+
+def test_docs_atari_table_is_what_the_committed_runs_give(tmp_path, capsys):
+    """docs/results.md's Atari table is docs/atari_vs_cleanrl.py's output on the runs' metrics.csv kept in
+    docs/atari_runs (each row verbatim), so every number there can be redrawn from the repository."""
+    docs = os.path.dirname(DOCS_RESULTS)
+    script = import_file("atari_vs_cleanrl", os.path.join(docs, "atari_vs_cleanrl.py"))
+    runs = [os.path.join(docs, "atari_runs", run) for run in ("pong", "breakout", "beamrider", "pong_cleanrl_setting")]
+    script.main(runs, out=str(tmp_path / "figure.png"))
+    games = ("| Pong", "| Breakout", "| BeamRider")
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(games)]
+    names = {row.split(" | ")[0] for row in rows}
+    assert names == {"| Pong", "| Breakout", "| BeamRider", "| Pong, 4 epochs, ε fixed, c1 0.5"}
+    with open(DOCS_RESULTS) as f:
+        published = f.read().splitlines()
+    assert [row for row in rows if row not in published] == []
 
 
 def test_envpool_atari_trains_on_clipped_lives_and_reports_the_game_score():

@@ -1,11 +1,12 @@
 """docs/results.md's Atari comparison: ppo_jax's runs (their metrics.csv) beside CleanRL's
 ppo_atari_envpool_xla_jax_scan curves as read off its published figure (docs/cleanrl_atari_readoff.csv).
 
-    python docs/atari_vs_cleanrl.py runs/atari_pong runs/atari_breakout   # -> docs/atari_vs_cleanrl.png, a table
+    python docs/atari_vs_cleanrl.py runs/atari_pong runs/atari_breakout runs/atari_beamrider   # -> the png, a table
     python docs/atari_vs_cleanrl.py --read-off compare.png > docs/cleanrl_atari_readoff.csv
 
 Each run's curve: the game scores of the training episodes that ended in the trailing 100k env steps
-(their mean, each episode once), at every update. The table: that mean at each 250k steps reached.
+(their mean, each episode once), at every update. The table: that mean at each 250k steps reached, and at
+the run's last update.
 
 The read-off: CleanRL's docs/rl-algorithms/ppo/ppo_atari_envpool_xla_jax_scan/compare.png (vwxyzjn/cleanrl,
 added in 2dd73af; x: global_step, env steps 0-10M; y: charts/episodic_return, the mean of 3 seeds as
@@ -70,31 +71,59 @@ def trailing_mean(run_dir):
     return steps, np.where(n > 0, (total - before(total)) / np.maximum(n, 1), np.nan)
 
 
+def num(x):
+    """A score as docs/results.md prints it: one decimal, a true minus sign."""
+    return f"{float(x):.1f}".replace("-", "\u2212")
+
+
+def reading(rows):
+    """CleanRL's reading of a read-off row (at most one) as 'return [low, high]'; '—' where none."""
+    return "".join(f"{num(r['return'])} [{num(r['low'])}, {num(r['high'])}]" for r in rows) or "—"
+
+
+def setting(config):
+    """What a run's config.json says of the three places where the paper's and CleanRL's settings differ."""
+    clip = "annealed" if config["hparams"]["anneal_clip"] else "fixed"
+    return f"{config['update_epochs']} epochs, ε {clip}, c1 {config['hparams']['vf_coef']:g}"
+
+
 def main(run_dirs, out=os.path.join(HERE, "atari_vs_cleanrl.png")):
+    """A panel a game (its runs in the order given, CleanRL's line beside them); the table's rows on stdout,
+    a game's later runs named by their setting."""
     with open(os.path.join(HERE, "cleanrl_atari_readoff.csv")) as f:
         readoff = list(csv.DictReader(f))
-    fig, axes = plt.subplots(1, len(run_dirs), figsize=(5 * len(run_dirs), 3.6), squeeze=False)
-    print("| game | env steps (frames) | ppo_jax | CleanRL (read off its figure) |\n|---|---|---|---|")
-    for ax, run_dir in zip(axes[0], run_dirs):
+    configs = []
+    for run_dir in run_dirs:
         with open(os.path.join(run_dir, "config.json")) as f:
-            game = json.load(f)["env"].split(":")[1].split("-")[0]
-        steps, score = trailing_mean(run_dir)
-        theirs = [r for r in readoff if r["game"] == game and float(r["env_steps"]) <= steps[-1] + 1]
+            configs.append(json.load(f))
+    game_of = lambda config: config["env"].split(":")[1].split("-")[0]  # noqa: E731
+    games = list(dict.fromkeys(map(game_of, configs)))
+    fig, axes = plt.subplots(1, len(games), figsize=(5 * len(games), 3.6), squeeze=False)
+    print("| game | env steps (frames) | ppo_jax | CleanRL (read off its figure) |\n|---|---|---|---|")
+    for ax, game in zip(axes[0], games):
+        runs = [(run_dir, config) for run_dir, config in zip(run_dirs, configs) if game_of(config) == game]
+        curves = [trailing_mean(run_dir) for run_dir, _ in runs]
+        longest = max(steps[-1] for steps, _ in curves)
+        theirs = [r for r in readoff if r["game"] == game and float(r["env_steps"]) <= longest + 1]
         x = np.array([float(r["env_steps"]) for r in theirs])
         ax.fill_between(x, [float(r["low"]) for r in theirs], [float(r["high"]) for r in theirs], color="C1", alpha=0.2)
-        ax.plot(x, [float(r["return"]) for r in theirs], color="C1", label="CleanRL, 3 seeds (read off its figure)")
-        ax.plot(steps, score, color="C0", label="ppo_jax, seed 0 (trailing 100k steps)")
-        ax.set(title=f"{game}-v5", xlabel="env steps (x4 frames)", ylabel="game score")
+        ax.plot(x, [float(r["return"]) for r in theirs], color="C1",
+                label="CleanRL, 3 seeds: 4 epochs, ε fixed, c1 0.5 (read off its figure)")
+        for i, ((_, config), (steps, score)) in enumerate(zip(runs, curves)):
+            ax.plot(steps, score, color=f"C{2 * i}", label=f"ppo_jax, seed {config['seed']}: {setting(config)}")
+            name = f"{game}, {setting(config)}" if i else game
+            for mark in np.arange(250_000, steps[-1] + 1, 250_000):
+                ours = score[np.searchsorted(steps, mark)]
+                near = [r for r in theirs if abs(float(r["env_steps"]) - mark) < 1]
+                print(f"| {name} | {mark / 1e6:.2f}M ({mark * 4 / 1e6:.0f}M) | {num(ours)} | {reading(near[:1])} |")
+            mine = [r for r in theirs if float(r["env_steps"]) <= steps[-1] + 1]
+            last = f"{float(mine[-1]['env_steps']) / 1e6:.2f}M: {reading(mine[-1:])}" if mine else "—"
+            print(f"| {name} | last: {steps[-1] / 1e6:.2f}M ({steps[-1] * 4 / 1e6:.1f}M) | {num(score[-1])} | {last} |")
+        ax.set(title=f"{game}-v5", xlabel="env steps (x4 frames)", ylabel="game score (trailing 100k steps)")
         ax.grid(alpha=0.3)
-        for mark in np.arange(250_000, steps[-1] + 1, 250_000):
-            ours = score[np.searchsorted(steps, mark)]
-            near = [r for r in theirs if abs(float(r["env_steps"]) - mark) < 1]
-            cleanrl = f"{float(near[0]['return']):.1f} [{float(near[0]['low']):.1f}, {float(near[0]['high']):.1f}]" if near else "—"
-            print(f"| {game} | {mark / 1e6:.2f}M ({mark * 4 / 1e6:.0f}M) | {ours:.1f} | {cleanrl} |")
-    axes[0][0].legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
-
 
 if __name__ == "__main__":
     read_off(sys.argv[2]) if sys.argv[1:2] == ["--read-off"] else main(sys.argv[1:])
