@@ -125,5 +125,6 @@ def main(run_dirs, out=os.path.join(HERE, "atari_vs_cleanrl.png")):
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
+
 if __name__ == "__main__":
     read_off(sys.argv[2]) if sys.argv[1:2] == ["--read-off"] else main(sys.argv[1:])
